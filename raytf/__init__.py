@@ -1,0 +1,37 @@
+"""raytf: Ray-orchestrated distributed TensorFlow training.
+
+    import raytf
+    result = raytf.fit("jobs/digits.yaml", train__epochs=3)   # or overrides={"train.epochs": 3}
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from raytf.errors import PlacementTimeout, RaytfError, SpecError, TrainingFailed, WorkerStartupError
+from raytf.report import ProgressDisplay, Result
+from raytf.spec import Job, JobSpec
+
+__version__ = "0.1.0"
+
+
+def fit(spec_or_path: "str | Mapping[str, Any] | JobSpec | Job", overrides: Mapping[str, Any] | None = None, *,
+        address: str | None = None, display: ProgressDisplay | None = None, **dotted_overrides: Any) -> Result:
+    """Run one distributed training job and return its Result.
+
+    `spec_or_path`: a job YAML path, a mapping, a JobSpec or a loaded Job. Overrides are dotted keys,
+    either in `overrides` ({"train.epochs": 3}) or as keyword arguments with `__` for the dot
+    (train__epochs=3). Without an initialised Ray, `address` (or RAY_ADDRESS) picks a cluster; with
+    neither, an embedded local Ray runs for the duration of the call.
+    """
+    from raytf import controller, spec as spec_lib
+    from raytf.session import ray_session
+
+    merged = dict(overrides or {})
+    merged.update({k.replace("__", "."): v for k, v in dotted_overrides.items()})
+    job = spec_lib.load(spec_or_path, merged)
+    with ray_session(address):
+        return controller.run(job, display=display)
+
+
+__all__ = ["fit", "Job", "JobSpec", "Result", "ProgressDisplay", "RaytfError", "SpecError", "PlacementTimeout",
+           "WorkerStartupError", "TrainingFailed"]

@@ -1,0 +1,112 @@
+"""Start, query and stop the actors of one attempt: one TaskActor per placement-group bundle.
+
+Every call that waits on actors takes a deadline; a deadline passed is an error that names the ranks
+or bundles that did not answer, never a hang.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from raytf.errors import PortTaken, WorkerStartupError
+from raytf.rendezvous import ActorReport, Task, tf_config
+from raytf.worker import TaskActor
+from raytf.worker_api import WorkerPayload
+
+_RemoteTaskActor = ray.remote(TaskActor)
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The user's exception inside Ray's wrappers, where there is one."""
+    if isinstance(exc, RayTaskError):
+        cause = exc.as_instanceof_cause()
+        inner = getattr(exc, "cause", None)
+        return inner if isinstance(inner, BaseException) else cause
+    return exc
+
+
+def describe(exc: BaseException) -> str:
+    exc = root_cause(exc)
+    if isinstance(exc, RayActorError):
+        return f"actor died ({str(exc).splitlines()[0][:300]})"
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[-1] if text else ''}".strip()
+
+
+class WorkerGroup:
+    def __init__(self, pg, bundles: list[dict[str, float]], runtime_env: dict[str, Any]):
+        self.pg, self.bundles, self.runtime_env = pg, bundles, runtime_env
+        self.actors: list[Any] = []  # by bundle index
+        self.tasks: list[Task] = []  # by rank
+        self._by_rank: list[Any] = []
+
+    def start(self, timeout_s: float) -> list[ActorReport]:
+        """Create one actor per bundle and collect what each reports about itself."""
+        for index, bundle in enumerate(self.bundles):
+            self.actors.append(_RemoteTaskActor.options(
+                num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), max_concurrency=2,
+                max_restarts=0, runtime_env=self.runtime_env,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=index),
+            ).remote(index))
+        return self._get([a.report.remote() for a in self.actors], timeout_s, "report in",
+                         [f"bundle {i}" for i in range(len(self.actors))])
+
+    def setup(self, tasks: list[Task], payload: WorkerPayload, timeout_s: float) -> list[dict[str, Any]]:
+        self.tasks = tasks
+        self._by_rank = [self.actors[t.bundle_index] for t in tasks]
+        refs = [a.setup.remote(t, tf_config(tasks, t), len(tasks), payload) for a, t in zip(self._by_rank, tasks)]
+        return self._get(refs, timeout_s, "start TensorFlow", [f"rank {t.rank}" for t in tasks])
+
+    def train(self, payload: WorkerPayload) -> list[ray.ObjectRef]:
+        return [a.train.remote(payload) for a in self._by_rank]
+
+    def progress(self, timeout_s: float) -> list[dict[str, Any] | None]:
+        """Each rank's latest progress; None for a rank that did not answer in time."""
+        refs = [a.progress.remote() for a in self._by_rank]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        ready_set = set(ready)
+        out: list[dict[str, Any] | None] = []
+        for ref in refs:
+            try:
+                out.append(ray.get(ref) if ref in ready_set else None)
+            except Exception:
+                out.append(None)
+        return out
+
+    def release_port(self, rank: int) -> None:
+        """Test seam: let go of a rank's held port early, as a crash-free stand-in for a port thief."""
+        ray.get(self._by_rank[rank].release_port.remote(), timeout=30)
+
+    def stop(self) -> None:
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # already dead
+                pass
+        self.actors, self._by_rank = [], []
+
+    @staticmethod
+    def _get(refs: list, timeout_s: float, what: str, names: list[str]) -> list:
+        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        errors: dict[str, list[str]] = {}
+        results = []
+        for ref, name in zip(refs, names):
+            if ref not in ready:
+                errors.setdefault(f"did not {what} within {timeout_s:g}s", []).append(name)
+                continue
+            try:
+                results.append(ray.get(ref))
+            except Exception as exc:
+                cause = root_cause(exc)
+                if isinstance(cause, PortTaken):
+                    raise cause from None
+                errors.setdefault(describe(exc), []).append(name)
+        if errors:
+            raise WorkerStartupError(f"workers failed to {what}: " + "; ".join(
+                f"{', '.join(who)}: {msg}" for msg, who in errors.items()))
+        return results
+

@@ -1,0 +1,74 @@
+"""One placement group per attempt, one bundle per TF task; a clear error when the cluster cannot hold it."""
+from __future__ import annotations
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+
+from raytf.errors import PlacementTimeout
+from raytf.spec import ClusterSpec
+
+
+def worker_bundles(cluster: ClusterSpec) -> list[dict[str, float]]:
+    """One bundle per worker. Zero-valued resources are left out: Ray rejects empty ones."""
+    bundle = {"CPU": cluster.cpus_per_worker, "GPU": cluster.gpus_per_worker}
+    bundle = {k: v for k, v in bundle.items() if v > 0}
+    return [dict(bundle) for _ in range(cluster.workers)] if bundle else [{"CPU": 0.001}] * cluster.workers
+
+
+def total(bundles: list[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for b in bundles:
+        for k, v in b.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+def _fmt(resources: dict[str, float]) -> str:
+    keys = [k for k in ("CPU", "GPU") if k in resources] + sorted(k for k in resources if k not in ("CPU", "GPU")
+                                                                   and not k.startswith(("node:", "memory", "object_store")))
+    return "{" + ", ".join(f"{k}: {resources[k]:g}" for k in keys) + "}"
+
+
+def shortage_message(bundles: list[dict[str, float]], strategy: str, timeout_s: float,
+                     cluster_total: dict[str, float], cluster_available: dict[str, float],
+                     nodes: list[dict[str, float]]) -> str:
+    """Pure: what was asked, what the cluster has, and what to change."""
+    asked = total(bundles)
+    short = [k for k, v in asked.items() if cluster_total.get(k, 0) < v]
+    per_bundle = bundles[0] if bundles else {}
+    biggest_fit = [k for k, v in per_bundle.items() if all(n.get(k, 0) < v for n in nodes)] if nodes else []
+    msg = (f"placement group not ready after {timeout_s:g}s: asked for {len(bundles)} bundles of {_fmt(per_bundle)} "
+           f"(total {_fmt(asked)}, strategy {strategy}); the cluster has {_fmt(cluster_total)} in "
+           f"{len(nodes)} node(s), {_fmt(cluster_available)} available now.")
+    if short:
+        msg += (f" It lacks {', '.join(short)}: lower cluster.workers or the per-worker resources, "
+                f"or add nodes (an autoscaling cluster may need a longer cluster.reserve_timeout_s).")
+    elif biggest_fit:
+        msg += f" No single node has the {', '.join(biggest_fit)} one bundle needs: lower the per-worker resources."
+    elif strategy.startswith("STRICT"):
+        msg += f" {strategy} cannot be met by these nodes: use placement: pack or spread."
+    else:
+        msg += " The resources are busy with other work: wait, or raise cluster.reserve_timeout_s."
+    return msg
+
+
+def reserve(bundles: list[dict[str, float]], placement: str, timeout_s: float, name: str = "") -> PlacementGroup:
+    """Create the group and wait for it; on timeout remove it and raise PlacementTimeout."""
+    strategy = placement.upper()
+    pg = placement_group(bundles, strategy=strategy, name=name)
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if ready:
+        return pg
+    remove_placement_group(pg)
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    raise PlacementTimeout(shortage_message(bundles, strategy, timeout_s, ray.cluster_resources(),
+                                            ray.available_resources(), nodes))
+
+
+def release(pg: PlacementGroup | None) -> None:
+    if pg is None:
+        return
+    try:
+        remove_placement_group(pg)
+    except Exception:  # already gone, or Ray is shutting down: nothing left to free
+        pass

@@ -1,0 +1,78 @@
+"""Rank assignment and TF_CONFIG: pure functions over what the actors reported. No Ray, no TensorFlow."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+
+@dataclasses.dataclass(frozen=True)
+class ActorReport:
+    """What one started actor says about itself, before ranks exist."""
+
+    bundle_index: int
+    node_id: str
+    node_ip: str
+    port: int
+    gpu_ids: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """A placed TF task: the actor at `bundle_index` plays `role` number `index` with global `rank`."""
+
+    rank: int
+    role: str
+    index: int
+    bundle_index: int
+    node_id: str
+    node_ip: str
+    port: int
+    gpu_ids: tuple[str, ...]
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.node_ip}]" if ":" in self.node_ip else self.node_ip
+        return f"{host}:{self.port}"
+
+
+def _gpu_sort_key(gpu_ids: tuple[str, ...]) -> tuple:
+    # Numeric ids sort as numbers ("10" after "9"); anything else (UUIDs) sorts after, as text.
+    return tuple((0, int(g), "") if str(g).isdigit() else (1, 0, str(g)) for g in gpu_ids)
+
+
+def assign_ranks(reports: list[ActorReport]) -> list[Task]:
+    """Deterministic ranks: actors on one node get adjacent ranks; nodes are ordered by their lowest
+    bundle index (so the chief's node comes first), actors within a node by GPU id, then bundle index.
+    Rank 0 is the chief. The result is ordered by rank."""
+    if not reports:
+        raise ValueError("no actors to rank")
+    bundles = [r.bundle_index for r in reports]
+    if len(set(bundles)) != len(bundles):
+        raise ValueError(f"duplicate bundle indexes in {sorted(bundles)}")
+    first_bundle_on_node: dict[str, int] = {}
+    for r in reports:
+        first_bundle_on_node[r.node_id] = min(first_bundle_on_node.get(r.node_id, r.bundle_index), r.bundle_index)
+    ordered = sorted(reports, key=lambda r: (first_bundle_on_node[r.node_id], _gpu_sort_key(r.gpu_ids), r.bundle_index))
+    return [Task(rank=i, role="worker", index=i, bundle_index=r.bundle_index, node_id=r.node_id,
+                 node_ip=r.node_ip, port=r.port, gpu_ids=tuple(r.gpu_ids)) for i, r in enumerate(ordered)]
+
+
+def cluster_spec(tasks: list[Task]) -> dict[str, list[str]]:
+    """{role: [address by index]} as TF's ClusterSpec wants it."""
+    roles: dict[str, dict[int, str]] = {}
+    for t in tasks:
+        slot = roles.setdefault(t.role, {})
+        if t.index in slot:
+            raise ValueError(f"two tasks claim {t.role}:{t.index}")
+        slot[t.index] = t.address
+    spec = {}
+    for role, by_index in roles.items():
+        if sorted(by_index) != list(range(len(by_index))):
+            raise ValueError(f"{role} indexes {sorted(by_index)} are not 0..{len(by_index) - 1}")
+        spec[role] = [by_index[i] for i in range(len(by_index))]
+    return spec
+
+
+def tf_config(tasks: list[Task], task: Task) -> str:
+    """The TF_CONFIG JSON for one task of the cluster."""
+    return json.dumps({"cluster": cluster_spec(tasks), "task": {"type": task.role, "index": task.index}})

@@ -1,0 +1,116 @@
+"""The driver's view of a run: the live progress line, the summary table, result.json and the
+artifacts (model, TensorBoard events) written into output.dir."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+
+@dataclasses.dataclass
+class Result:
+    name: str
+    strategy: str
+    status: str
+    output_dir: str
+    tasks: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    examples_per_s: float | None = None
+    model_path: str | None = None
+    tensorboard_dir: str | None = None
+    wall_s: float | None = None
+    time_to_first_step_s: float | None = None
+    rendezvous_attempts: int = 1
+    error: str | None = None
+
+    @property
+    def final(self) -> dict[str, Any]:
+        return self.history[-1] if self.history else {}
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def write(self) -> Path:
+        path = Path(self.output_dir) / "result.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2, default=str) + "\n")
+        os.replace(tmp, path)  # readers never see half a file
+        return path
+
+
+def write_artifacts(output_dir: Path, artifacts: dict[str, bytes]) -> None:
+    for rel, blob in artifacts.items():
+        target = output_dir / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(blob)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4f}" if abs(value) < 1000 else f"{value:,.0f}"
+    return str(value)
+
+
+def summary_table(history: list[dict[str, Any]]) -> str:
+    """Per-epoch metrics as a fixed-width table."""
+    if not history:
+        return "(no epochs completed)"
+    skip = {"step"}
+    columns = [c for c in history[0] if c not in skip]
+    columns = ["epoch"] + [c for c in columns if c != "epoch"]
+    rows = [[_fmt(h.get(c, "")) for c in columns] for h in history]
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
+    line = lambda cells: "  ".join(cell.rjust(w) for cell, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([line(columns), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+class ProgressDisplay:
+    """One live line on a terminal (rewritten in place); on a pipe or file, a line every few seconds.
+    Epoch lines always print, so logs keep the per-epoch metrics."""
+
+    def __init__(self, stream: TextIO | None = None, quiet: bool = False, interval_s: float = 5.0):
+        self.stream = stream or sys.stderr
+        self.quiet = quiet
+        self.live = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.interval_s = 0.0 if self.live else interval_s
+        self._last = 0.0
+        self._epochs_shown = 0
+        self._started = time.time()
+        self._width = 0
+
+    def message(self, text: str) -> None:
+        if not self.quiet:
+            self._clear()
+            print(text, file=self.stream, flush=True)
+
+    def update(self, chief: dict[str, Any] | None, examples_per_s: float | None) -> None:
+        if self.quiet or not chief:
+            return
+        last_epoch = chief.get("last_epoch")
+        if last_epoch and last_epoch.get("epoch", 0) > self._epochs_shown:
+            self._epochs_shown = last_epoch["epoch"]
+            metrics = "  ".join(f"{k} {_fmt(v)}" for k, v in last_epoch.items()
+                                if k not in ("epoch", "step", "seconds"))
+            self.message(f"epoch {last_epoch['epoch']} done in {last_epoch.get('seconds', 0):.1f}s: {metrics}")
+        now = time.time()
+        if chief.get("phase") != "train" or now - self._last < self.interval_s:
+            return
+        self._last = now
+        rate = f"{examples_per_s:,.0f} ex/s" if examples_per_s else "-- ex/s"
+        text = (f"epoch {chief.get('epoch')} step {chief.get('step')}/{chief.get('steps')} "
+                f"loss {chief.get('loss', float('nan')):.4f} {rate} [{now - self._started:.0f}s]")
+        if self.live:
+            self._width = max(self._width, len(text))
+            print("\r" + text.ljust(self._width), end="", file=self.stream, flush=True)
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def _clear(self) -> None:
+        if self.live and self._width:
+            print("\r" + " " * self._width + "\r", end="", file=self.stream, flush=True)
+            self._width = 0

@@ -1,0 +1,353 @@
+"""The job spec: pydantic models (unknown keys are errors, frozen), YAML loading and `--set` overrides.
+
+Everything a user can get wrong is found here, once, before any actor starts:
+`parse` checks shapes and values (pure, no imports of user code), `load` also resolves paths
+against the job file's folder and imports the named `module:function`s.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib
+import sys
+from pathlib import Path
+from typing import Any, Literal, Mapping, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from raytf.errors import SpecError
+
+FUNCTION_REF = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DataSpec(_Strict):
+    train: str
+    validation: str | None = None
+    features: list[str] = Field(min_length=1)
+    label: str
+
+
+class LossSpec(_Strict):
+    name: str
+    from_logits: bool = False
+
+
+class OptimizerSpec(_Strict):
+    name: str = "adam"
+    learning_rate: float = Field(default=0.001, gt=0)
+    options: dict[str, Any] = Field(default_factory=dict)  # other constructor arguments, e.g. momentum
+
+
+class TrainSpec(_Strict):
+    epochs: int = Field(default=1, ge=1)
+    global_batch_size: int = Field(default=64, ge=1)
+    steps_per_epoch: int | None = Field(default=None, ge=1)
+    seed: int = 0
+    shuffle_buffer: int = Field(default=10_000, ge=0)
+
+
+class ClusterSpec(_Strict):
+    workers: int = Field(default=2, ge=1)
+    cpus_per_worker: float = Field(default=1.0, ge=0)
+    gpus_per_worker: float = Field(default=0.0, ge=0)
+    placement: Literal["pack", "spread", "strict_pack", "strict_spread"] = "pack"
+    reserve_timeout_s: float = Field(default=60.0, gt=0)
+    start_timeout_s: float = Field(default=120.0, gt=0)
+
+    @property
+    def replicas_per_worker(self) -> int:
+        """MultiWorkerMirrored makes one replica per visible GPU, or one on CPU."""
+        return max(1, int(self.gpus_per_worker))
+
+    @property
+    def replicas(self) -> int:
+        return self.workers * self.replicas_per_worker
+
+
+class FailureSpec(_Strict):
+    # With no step from any rank for this long, the attempt is declared hung and torn down.
+    hang_timeout_s: float = Field(default=300.0, gt=0)
+
+
+class OutputSpec(_Strict):
+    dir: str | None = None  # default: runs/<name>, next to the job file
+    tensorboard: bool = True
+
+
+class JobSpec(_Strict):
+    name: str = Field(pattern=r"^[\w.-]+$")
+    strategy: Literal["mirrored", "parameter_server"] = "mirrored"
+    model: str | None = Field(default=None, pattern=FUNCTION_REF)
+    data: DataSpec | None = None
+    dataset_fn: str | None = Field(default=None, pattern=FUNCTION_REF)
+    train_fn: str | None = Field(default=None, pattern=FUNCTION_REF)
+    loss: Union[str, LossSpec] = "sparse_categorical_crossentropy"
+    optimizer: OptimizerSpec = OptimizerSpec()
+    metrics: list[str] = Field(default_factory=list)
+    train: TrainSpec = TrainSpec()
+    cluster: ClusterSpec = ClusterSpec()
+    failure: FailureSpec = FailureSpec()
+    output: OutputSpec = OutputSpec()
+
+    @field_validator("loss")
+    @classmethod
+    def _loss_as_spec(cls, value: Union[str, LossSpec]) -> LossSpec:
+        return LossSpec(name=value) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "JobSpec":
+        if self.strategy == "parameter_server":
+            raise ValueError(
+                "strategy 'parameter_server' is not available yet; use strategy: mirrored")
+        if self.train_fn is None:
+            if self.model is None:
+                raise ValueError("model: missing; name the function that builds the model, e.g. model: digits:build_model")
+            if (self.data is None) == (self.dataset_fn is None):
+                raise ValueError("give exactly one of data (Parquet) or dataset_fn (module:function)")
+            if self.dataset_fn is not None and self.train.steps_per_epoch is None:
+                raise ValueError("train.steps_per_epoch: required with dataset_fn, so every worker runs the same "
+                                 "number of steps; e.g. train.steps_per_epoch: 100")
+        replicas = self.cluster.replicas
+        batch = self.train.global_batch_size
+        if batch % replicas:
+            raise ValueError(f"train.global_batch_size {batch} is not divisible by {replicas} replicas "
+                             f"({self.cluster.workers} workers x {self.cluster.replicas_per_worker}); "
+                             f"use {_nearest_multiples(batch, replicas)}")
+        return self
+
+
+def _nearest_multiples(value: int, divisor: int) -> str:
+    below = value - value % divisor
+    above = below + divisor
+    return f"{below} or {above}" if below > 0 else str(above)
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """A validated spec plus where it came from: the folder its relative paths and modules resolve against."""
+
+    spec: JobSpec
+    job_dir: Path
+    source: str | None = None  # the YAML path, for messages
+    datasets: dict = dataclasses.field(default_factory=dict)  # split -> data.DatasetInfo, read once by load
+
+    @property
+    def output_dir(self) -> Path:
+        out = self.spec.output.dir or f"runs/{self.spec.name}"
+        return _resolve(self.job_dir, out)
+
+    def data_path(self, path: str) -> str:
+        """A data path as the driver sees it: URIs as they are, relative paths under the job folder."""
+        return path if "://" in path else str(_resolve(self.job_dir, path))
+
+    def actor_data_path(self, path: str) -> str:
+        """A data path as an actor sees it. The job folder travels as the actor's working directory,
+        so paths inside it stay relative; paths outside it must be reachable from every node."""
+        if "://" in path:
+            return path
+        resolved = _resolve(self.job_dir, path)
+        try:
+            return str(resolved.relative_to(self.job_dir))
+        except ValueError:
+            return str(resolved)
+
+
+def _resolve(base: Path, path: str) -> Path:
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else (base / p).resolve()
+
+
+# ---------------------------------------------------------------- parsing
+
+
+def parse(raw: Mapping[str, Any], source: str = "job spec") -> JobSpec:
+    """Validate a plain mapping into a JobSpec. Pure: imports no user code."""
+    if not isinstance(raw, Mapping):
+        raise SpecError(f"{source}: expected a mapping of sections (name, model, data, ...), got {type(raw).__name__}")
+    try:
+        return JobSpec.model_validate(dict(raw))
+    except ValidationError as exc:
+        raise SpecError(_describe_validation_error(exc, source)) from None
+
+
+def _describe_validation_error(exc: ValidationError, source: str) -> str:
+    lines = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("function-after", "union")))
+        where = where.replace(".LossSpec", "").replace(".str", "")
+        if err["type"] == "extra_forbidden":
+            known = _known_keys(err["loc"][:-1])
+            lines.append(f"{where}: unknown key; known keys here: {', '.join(known)}")
+        elif err["type"] == "missing":
+            lines.append(f"{where}: missing; add it to the spec")
+        elif err["type"] == "value_error":
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"{where}: {msg}" if where else msg)
+        elif err["type"] == "string_pattern_mismatch" and where in ("model", "dataset_fn", "train_fn"):
+            lines.append(f"{where}: {err['input']!r} is not a module:function name; write e.g. digits:build_model")
+        elif err["type"] == "literal_error":
+            lines.append(f"{where}: {err['input']!r} is not one of {err['ctx']['expected']}")
+        else:
+            lines.append(f"{where}: {err['msg'].lower()} (got {err['input']!r})")
+    # Union members repeat the same complaint; keep the first of each.
+    unique = list(dict.fromkeys(lines))
+    return f"{source}: " + "; ".join(unique)
+
+
+def _known_keys(loc: tuple) -> list[str]:
+    model: type[BaseModel] = JobSpec
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        if field is None:
+            break
+        candidates = [a for a in getattr(field.annotation, "__args__", (field.annotation,))
+                      if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not candidates:
+            break
+        model = candidates[0]
+    return list(model.model_fields)
+
+
+def apply_overrides(raw: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Deep-copy `raw` and set each dotted key (`train.epochs`) to its value."""
+    out = copy.deepcopy(dict(raw))
+    for dotted, value in overrides.items():
+        node = out
+        parts = dotted.split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise SpecError(f"--set {dotted}: {part!r} is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def parse_set_options(items: list[str]) -> dict[str, Any]:
+    """`["train.epochs=3", "cluster.placement=spread"]` -> {dotted: YAML-typed value}."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise SpecError(f"--set {item!r}: expected KEY=VALUE, e.g. --set train.epochs=3")
+        try:
+            out[key.strip()] = yaml.safe_load(value) if value.strip() else None
+        except yaml.YAMLError:
+            out[key.strip()] = value
+    return out
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise SpecError(f"{path}: no such job file; pass the path of a job YAML, e.g. jobs/digits.yaml") from None
+    except OSError as exc:
+        raise SpecError(f"{path}: cannot read the job file ({exc.strerror})") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{path}: not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(raw, dict):
+        raise SpecError(f"{path}: expected a mapping of sections (name, model, data, ...)")
+    return raw
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load(source: "str | Path | Mapping[str, Any] | JobSpec | Job",
+         overrides: Mapping[str, Any] | None = None,
+         check_data: bool = True) -> Job:
+    """Load, override, validate and resolve a job: the one place a spec is checked."""
+    overrides = dict(overrides or {})
+    if isinstance(source, Job):
+        if not overrides:
+            return source
+        raw, job_dir, name = source.spec.model_dump(), source.job_dir, source.source
+    elif isinstance(source, JobSpec):
+        raw, job_dir, name = source.model_dump(), Path.cwd(), "job spec"
+    elif isinstance(source, Mapping):
+        raw, job_dir, name = dict(source), Path.cwd(), "job spec"
+    else:
+        path = Path(source).expanduser().resolve()
+        raw, job_dir, name = read_yaml(path), path.parent, str(source)
+    spec = parse(apply_overrides(raw, overrides), name)
+    for key in ("model", "dataset_fn", "train_fn"):
+        ref = getattr(spec, key)
+        if ref is not None:
+            resolve_function(ref, job_dir, key)
+    _check_keras_names(spec)
+    job = Job(spec=spec, job_dir=job_dir, source=name)
+    if check_data and spec.data is not None:
+        from raytf import data  # pyarrow only; no TensorFlow
+
+        for split in ("train", "validation"):
+            path = getattr(spec.data, split)
+            if path is not None:
+                job.datasets[split] = data.describe(job.data_path(path), spec.data.features, spec.data.label,
+                                                    key=f"data.{split}")
+    return job
+
+
+def code_root(module: str, job_dir: Path) -> Path | None:
+    """Where `module` is found: the job folder first, then the working directory; None if installed."""
+    top = module.split(".")[0]
+    for root in (job_dir, Path.cwd()):
+        if (root / f"{top}.py").is_file() or (root / top).is_dir():
+            return root
+    return None
+
+
+def resolve_function(ref: str, job_dir: Path, key: str = "model"):
+    """Import `module:function` (job folder, then working directory, then installed) and return it."""
+    module_name, _, func_name = ref.partition(":")
+    root = code_root(module_name, job_dir)
+    if root is not None and str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and module_name.startswith(exc.name):
+            raise SpecError(f"{key}: module {module_name!r} not found in {job_dir} or {Path.cwd()}; "
+                            f"put {module_name.replace('.', '/')}.py next to the job file") from None
+        raise SpecError(f"{key}: importing {module_name!r} failed: {exc}") from None
+    except Exception as exc:  # the user's module raised while importing
+        raise SpecError(f"{key}: importing {module_name!r} raised {type(exc).__name__}: {exc}") from None
+    func = getattr(module, func_name, None)
+    if func is None:
+        raise SpecError(f"{key}: {module_name!r} has no function {func_name!r}; "
+                        f"define it or fix the name in {ref!r}")
+    if not callable(func):
+        raise SpecError(f"{key}: {ref!r} is a {type(func).__name__}, not a function")
+    return func
+
+
+def _check_keras_names(spec: JobSpec) -> None:
+    """Unknown loss/optimizer/metric names fail here, not inside an actor."""
+    if spec.train_fn is not None:
+        return
+    import keras
+
+    try:
+        keras.losses.get(spec.loss.name)
+    except ValueError:
+        raise SpecError(f"loss: unknown Keras loss {spec.loss.name!r}; e.g. sparse_categorical_crossentropy, mse") from None
+    try:
+        keras.optimizers.get({"class_name": spec.optimizer.name,
+                              "config": {"learning_rate": spec.optimizer.learning_rate, **spec.optimizer.options}})
+    except (ValueError, TypeError) as exc:
+        raise SpecError(f"optimizer: cannot build {spec.optimizer.name!r} with "
+                        f"{dict(spec.optimizer.options)}: {exc}; e.g. optimizer: {{name: adam, learning_rate: 0.001}}") from None
+    for name in spec.metrics:
+        try:
+            keras.metrics.get(name)
+        except ValueError:
+            raise SpecError(f"metrics: unknown Keras metric {name!r}; e.g. accuracy, mae") from None

@@ -1,0 +1,164 @@
+"""What every strategy's loop shares: building the model pieces from the spec, the train and eval step
+functions, and metric accumulation that costs no cross-worker traffic until an epoch ends.
+
+Metrics: each Keras metric is used statelessly. Per step a replica computes its metric-state *delta*
+(update from zeros); deltas of this worker's replicas are added into local accumulators. At the end of
+an epoch one all-reduce sums the accumulators of all workers and each metric's result is computed from
+the global state. This is exact for Keras metrics whose state is sums (mean-style metrics, accuracy,
+AUC, precision/recall), and is why raytf does not need Keras metric objects to be distribution-aware.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import inspect
+from typing import Any, Callable
+
+import tensorflow as tf
+import keras
+
+from raytf.spec import JobSpec
+
+_ACCURACY_BY_LOSS = {
+    "sparse_categorical_crossentropy": "sparse_categorical_accuracy",
+    "categorical_crossentropy": "categorical_accuracy",
+    "binary_crossentropy": "binary_accuracy",
+}
+
+
+def build_loss(spec: JobSpec) -> Callable:
+    """Per-example loss function (no reduction: the loop scales by the global batch)."""
+    fn = keras.losses.get(spec.loss.name)
+    if isinstance(fn, keras.losses.Loss):
+        config = fn.get_config()
+        config.update(reduction=None)
+        if "from_logits" in config:
+            config["from_logits"] = spec.loss.from_logits
+        return type(fn).from_config(config)
+    if "from_logits" in inspect.signature(fn).parameters:
+        return functools.partial(fn, from_logits=spec.loss.from_logits)
+    return fn
+
+
+def build_optimizer(spec: JobSpec) -> keras.optimizers.Optimizer:
+    return keras.optimizers.get({"class_name": spec.optimizer.name,
+                                 "config": {"learning_rate": spec.optimizer.learning_rate, **spec.optimizer.options}})
+
+
+def build_metrics(spec: JobSpec) -> dict[str, keras.metrics.Metric]:
+    """name in the spec -> a Keras metric object (used statelessly); 'accuracy' follows the loss."""
+    out = {}
+    for name in spec.metrics:
+        resolved = _ACCURACY_BY_LOSS.get(spec.loss.name, name) if name in ("accuracy", "acc") else name
+        metric = keras.metrics.get(resolved)
+        if inspect.isclass(metric):
+            metric = metric()
+        elif not isinstance(metric, keras.metrics.Metric):
+            metric = keras.metrics.MeanMetricWrapper(metric, name=name)
+        out[name] = metric
+    return out
+
+
+class Accumulator:
+    """Local (per-worker) sums: loss total, example count and every metric's state variables."""
+
+    def __init__(self, metrics: dict[str, keras.metrics.Metric]):
+        self.metrics = metrics
+        self._shapes = [(tf.TensorShape(()), tf.float64), (tf.TensorShape(()), tf.float64)]
+        for metric in metrics.values():
+            self._shapes += [(tf.TensorShape(v.shape), tf.float64) for v in metric.variables]
+        self.sizes = [int(s.num_elements()) for s, _ in self._shapes]
+        with tf.init_scope():
+            self.total = tf.Variable(tf.zeros([sum(self.sizes)], tf.float64), trainable=False)
+
+    def zero_deltas(self) -> list[list[tf.Tensor]]:
+        return [[tf.zeros(v.shape, v.dtype) for v in m.variables] for m in self.metrics.values()]
+
+    def delta(self, y, pred, per_example_loss, weight=None) -> tf.Tensor:
+        """One replica's contribution as a flat float64 vector (replica context)."""
+        if weight is None:
+            weight = tf.ones_like(per_example_loss)
+        weight = tf.cast(weight, per_example_loss.dtype)
+        parts = [tf.reduce_sum(per_example_loss * weight), tf.reduce_sum(weight)]
+        for metric, zeros in zip(self.metrics.values(), self.zero_deltas()):
+            parts += metric.stateless_update_state(zeros, y, pred, sample_weight=weight)
+        return tf.concat([tf.reshape(tf.cast(p, tf.float64), [-1]) for p in parts], axis=0)
+
+    def results(self, totals) -> dict[str, float]:
+        """Global sums -> {'loss': mean loss, metric name: value}."""
+        flat = list(totals)
+        pieces, i = [], 0
+        for (shape, _), size in zip(self._shapes, self.sizes):
+            pieces.append(tf.reshape(tf.constant(flat[i:i + size], tf.float64), shape))
+            i += size
+        loss_sum, count = float(pieces[0]), float(pieces[1])
+        out = {"loss": loss_sum / count if count else float("nan")}
+        j = 2
+        for name, metric in self.metrics.items():
+            n = len(metric.variables)
+            state = [tf.cast(p, v.dtype) for p, v in zip(pieces[j:j + n], metric.variables)]
+            out[name] = float(metric.stateless_result(state))
+            j += n
+        out["examples"] = int(round(count))
+        return out
+
+
+@dataclasses.dataclass
+class StepFunctions:
+    train: Callable  # (iterator) -> local mean loss of this worker's replicas for the step
+    evaluate: Callable  # (iterator) -> None
+    global_sum: Callable  # (local vector) -> vector summed over all workers (a collective)
+
+
+def make_step_functions(strategy: tf.distribute.Strategy, model: keras.Model, optimizer, loss_fn,
+                        train_acc: Accumulator, eval_acc: Accumulator, global_batch_size: int) -> StepFunctions:
+    local_replicas = len(strategy.extended.worker_devices)
+
+    def _model_losses():
+        return tf.add_n(model.losses) if model.losses else 0.0
+
+    def train_replica(x, y):
+        with tf.GradientTape() as tape:
+            pred = model(x, training=True)
+            per_example = loss_fn(y, pred)
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch_size)
+            if model.losses:
+                loss += tf.nn.scale_regularization_loss(_model_losses())
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return train_acc.delta(y, pred, per_example)
+
+    @tf.function
+    def train(iterator):
+        x, y = next(iterator)
+        deltas = strategy.experimental_local_results(strategy.run(train_replica, args=(x, y)))
+        step = tf.add_n(list(deltas))
+        train_acc.total.assign_add(step)
+        return step[0] / tf.maximum(step[1], 1.0)
+
+    def eval_replica(x, y, w):
+        pred = model(x, training=False)
+        return eval_acc.delta(y, pred, loss_fn(y, pred), weight=w)
+
+    @tf.function
+    def evaluate(iterator):
+        x, y, w = next(iterator)
+        deltas = strategy.experimental_local_results(strategy.run(eval_replica, args=(x, y, w)))
+        eval_acc.total.assign_add(tf.add_n(list(deltas)))
+
+    @tf.function
+    def global_sum(local):
+        # Each local replica contributes an equal share, so the SUM over all replicas is the sum over workers.
+        share = strategy.run(lambda: local / tf.cast(local_replicas, tf.float64))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, share, axis=None)
+
+    return StepFunctions(train=train, evaluate=evaluate, global_sum=global_sum)
+
+
+def weights_digest(model: keras.Model) -> str:
+    """sha256 over every weight's bytes: equal digests mean bit-identical replicas."""
+    h = hashlib.sha256()
+    for w in model.get_weights():
+        h.update(w.tobytes())
+    return h.hexdigest()

@@ -1,0 +1,100 @@
+"""The Ray actor behind one TF task: it reports where it runs, holds a port, sets TF_CONFIG before
+TensorFlow starts, runs the strategy loop, and answers progress queries while the loop runs.
+
+TensorFlow is imported only in `setup`, after TF_CONFIG is in the environment.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+import time
+import traceback
+from typing import Any
+
+import ray
+
+from raytf.rendezvous import ActorReport, Task
+from raytf.worker_api import TaskContext, WorkerPayload
+
+
+class TaskActor:
+    """Created with max_concurrency=2, so `progress` is answered while `train` runs."""
+
+    def __init__(self, bundle_index: int):
+        self._bundle_index = bundle_index
+        # Hold the port until TensorFlow binds it, so no other process takes it meanwhile. TF's gRPC
+        # server does not set SO_REUSEPORT, so the hold is released right before TF starts.
+        self._held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._held.bind(("", 0))
+        self._port = self._held.getsockname()[1]
+        self._ctx: TaskContext | None = None
+        self._strategy = None
+        self._staging = tempfile.mkdtemp(prefix="raytf-task-")
+
+    def report(self) -> ActorReport:
+        ctx = ray.get_runtime_context()
+        return ActorReport(bundle_index=self._bundle_index, node_id=ctx.get_node_id(),
+                           node_ip=ray.util.get_node_ip_address(), port=self._port,
+                           gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()))
+
+    def environment(self) -> dict[str, str | None]:
+        """What this process sees: for tests and diagnostics."""
+        return {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "TF_CONFIG")} | {"cwd": os.getcwd(),
+                                                                                         "pid": str(os.getpid())}
+
+    def release_port(self) -> None:
+        if self._held is not None:
+            self._held.close()
+            self._held = None
+
+    def setup(self, task: Task, tf_config: str, world_size: int, payload: WorkerPayload) -> dict[str, Any]:
+        """Set TF_CONFIG, then bring up TensorFlow's server and the strategy. A port lost to another
+        process surfaces as PortTaken, which the controller answers with a fresh rendezvous."""
+        from raytf.errors import PortTaken
+
+        os.environ["TF_CONFIG"] = tf_config
+        self._ctx = TaskContext(task.rank, world_size, payload.spec, self._staging, payload)
+        self.release_port()
+        import tensorflow as tf
+
+        try:
+            self._strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        except tf.errors.UnknownError as exc:
+            if "Could not start gRPC server" in str(exc):
+                raise PortTaken(f"rank {task.rank}: port {task.port} on {task.node_ip} was taken before "
+                                f"TensorFlow could bind it") from None
+            raise
+        return {"rank": task.rank, "replicas": self._strategy.num_replicas_in_sync}
+
+    def train(self, payload: WorkerPayload) -> dict[str, Any]:
+        from raytf.strategies import mirrored
+
+        started = time.time()
+        outcome = mirrored.run(self._strategy, payload, self._ctx)
+        outcome.update(rank=self._ctx.rank, started_at=started, finished_at=time.time(),
+                       first_step_at=self._ctx.first_step_at)
+        if self._ctx.is_chief:
+            outcome["artifacts"] = _collect(self._staging)
+        shutil.rmtree(self._staging, ignore_errors=True)
+        return outcome
+
+    def progress(self) -> dict[str, Any]:
+        return self._ctx.progress() if self._ctx else {"phase": "starting", "updated": time.time()}
+
+
+def _collect(folder: str) -> dict[str, bytes]:
+    """Files the chief wrote (model, TensorBoard events), shipped back to the driver: the driver's
+    output.dir need not be on a file system this node can reach."""
+    out = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, folder)] = f.read()
+    return out
+
+
+def format_exception(exc: BaseException) -> str:
+    return "".join(traceback.format_exception_only(type(exc), exc)).strip()

@@ -1,0 +1,105 @@
+"""What the driver hands each actor (WorkerPayload) and what a loop sees of its task (TaskContext).
+
+No TensorFlow import here: the driver builds payloads, actors build contexts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import threading
+import time
+from typing import Any, Callable
+
+from raytf.data import DatasetInfo
+from raytf.spec import JobSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerPayload:
+    """Everything a worker needs to train: the spec and the data sets as the actor will see them."""
+
+    spec: JobSpec
+    train_data: DatasetInfo | None = None
+    train_root: str | None = None
+    val_data: DatasetInfo | None = None
+    val_root: str | None = None
+
+    def function(self, key: str) -> Callable:
+        """Import spec.<key> (`module:function`) inside the actor; its working dir is the job folder."""
+        module_name, _, func_name = getattr(self.spec, key).partition(":")
+        return getattr(importlib.import_module(module_name), func_name)
+
+
+class TaskContext:
+    """A task's view of itself, and its channel to the driver: progress (read by the driver while the
+    loop runs, from another thread of the actor) and per-epoch metrics.
+
+    For `train_fn` users: `strategy`, `rank`, `world_size`, `num_replicas`, `per_replica_batch_size`,
+    `global_batch_size`, `is_chief`, `spec`, `build_model()`, `report(metrics)` once per epoch, and
+    `save_model(model)` (the chief's copy becomes <output.dir>/model.keras).
+    """
+
+    def __init__(self, rank: int, world_size: int, spec: JobSpec, staging_dir: str,
+                 payload: WorkerPayload | None = None, report_interval_s: float = 0.5):
+        self.rank, self.world_size, self.spec = rank, world_size, spec
+        self.is_chief = rank == 0
+        self.global_batch_size = spec.train.global_batch_size
+        self.staging_dir = staging_dir
+        self.strategy = None
+        self.num_replicas = None
+        self.per_replica_batch_size = None
+        self.history: list[dict[str, Any]] = []
+        self.global_step = 0
+        self.saved_model = None
+        self._payload = payload
+        self._lock = threading.Lock()
+        self._report_interval_s = report_interval_s
+        self._last_report = 0.0
+        self._progress: dict[str, Any] = {"rank": rank, "phase": "starting", "global_step": 0,
+                                          "updated": time.time()}
+        self.first_step_at: float | None = None
+
+    # -- progress, called by raytf's loop on every step; cheap unless a report is due
+    def step(self, epoch: int, step: int, steps: int, global_step: int, loss, examples: int) -> None:
+        now = time.time()
+        self.global_step = global_step
+        if self.first_step_at is None:
+            self.first_step_at = now
+        if now - self._last_report < self._report_interval_s and step != steps:
+            with self._lock:
+                self._progress["global_step"], self._progress["updated"] = global_step, now
+            return
+        self._last_report = now
+        with self._lock:
+            self._progress.update(phase="train", epoch=epoch, step=step, steps=steps, global_step=global_step,
+                                  loss=float(loss), examples_seen=examples * global_step, updated=now)
+
+    def epoch_end(self, metrics: dict[str, Any]) -> None:
+        with self._lock:
+            self._progress.update(phase="epoch_end", last_epoch=dict(metrics), updated=time.time())
+
+    def progress(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(self._progress)
+
+    # -- for train_fn users
+    def report(self, metrics: dict[str, Any]) -> None:
+        """Record one epoch's metrics (floats); the driver shows them and writes them to result.json."""
+        entry = {"epoch": len(self.history) + 1, **{k: (float(v) if not isinstance(v, (int, str)) else v)
+                                                     for k, v in metrics.items()}}
+        self.history.append(entry)
+        self.global_step = int(entry.get("step", self.global_step))
+        if self.first_step_at is None:
+            self.first_step_at = time.time()
+        self.epoch_end(entry)
+
+    def build_model(self):
+        if self._payload is None or self.spec.model is None:
+            raise ValueError("the job spec names no model function")
+        return self._payload.function("model")()
+
+    def save_model(self, model) -> None:
+        self.saved_model = model
+        if self.is_chief:
+            model.save(os.path.join(self.staging_dir, "model.keras"))
