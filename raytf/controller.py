@@ -122,6 +122,7 @@ def run(job: Job, group_cls: Callable[..., WorkerGroup] = WorkerGroup,
     result.history = chief["history"]
     result.tasks = [dict(rank=t.rank, role="chief" if t.rank == 0 else "worker", node_ip=t.node_ip,
                          node_id=t.node_id, address=t.address, gpu_ids=list(t.gpu_ids),
+                         cuda_visible_devices=t.cuda_visible_devices,
                          weights_digest=o.get("weights_digest"), steps=o.get("steps"))
                     for t, o in zip(tasks, outcomes)]
     result.wall_s = round(time.time() - started, 3)

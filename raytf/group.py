@@ -5,6 +5,7 @@ or bundles that did not answer, never a hang.
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import ray
@@ -77,10 +78,6 @@ class WorkerGroup:
                 out.append(None)
         return out
 
-    def release_port(self, rank: int) -> None:
-        """Test seam: let go of a rank's held port early, as a crash-free stand-in for a port thief."""
-        ray.get(self._by_rank[rank].release_port.remote(), timeout=30)
-
     def stop(self) -> None:
         for actor in self.actors:
             try:
@@ -91,22 +88,20 @@ class WorkerGroup:
 
     @staticmethod
     def _get(refs: list, timeout_s: float, what: str, names: list[str]) -> list:
-        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        errors: dict[str, list[str]] = {}
-        results = []
-        for ref, name in zip(refs, names):
-            if ref not in ready:
-                errors.setdefault(f"did not {what} within {timeout_s:g}s", []).append(name)
-                continue
+        """All results, in order; the first error ends the wait (peers may be blocked on the failed one)."""
+        deadline = time.monotonic() + timeout_s
+        name_of = dict(zip(refs, names))
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                raise WorkerStartupError(f"workers failed to {what}: {', '.join(name_of[r] for r in pending)} "
+                                         f"did not answer within {timeout_s:g}s")
             try:
-                results.append(ray.get(ref))
+                ray.get(done[0])
             except Exception as exc:
                 cause = root_cause(exc)
                 if isinstance(cause, PortTaken):
                     raise cause from None
-                errors.setdefault(describe(exc), []).append(name)
-        if errors:
-            raise WorkerStartupError(f"workers failed to {what}: " + "; ".join(
-                f"{', '.join(who)}: {msg}" for msg, who in errors.items()))
-        return results
-
+                raise WorkerStartupError(f"workers failed to {what}: {name_of[done[0]]}: {describe(exc)}") from None
+        return ray.get(refs)

@@ -40,15 +40,17 @@ def shortage_message(bundles: list[dict[str, float]], strategy: str, timeout_s: 
     msg = (f"placement group not ready after {timeout_s:g}s: asked for {len(bundles)} bundles of {_fmt(per_bundle)} "
            f"(total {_fmt(asked)}, strategy {strategy}); the cluster has {_fmt(cluster_total)} in "
            f"{len(nodes)} node(s), {_fmt(cluster_available)} available now.")
+    hints = []
     if short:
-        msg += (f" It lacks {', '.join(short)}: lower cluster.workers or the per-worker resources, "
-                f"or add nodes (an autoscaling cluster may need a longer cluster.reserve_timeout_s).")
-    elif biggest_fit:
-        msg += f" No single node has the {', '.join(biggest_fit)} one bundle needs: lower the per-worker resources."
-    elif strategy.startswith("STRICT"):
-        msg += f" {strategy} cannot be met by these nodes: use placement: pack or spread."
-    else:
-        msg += " The resources are busy with other work: wait, or raise cluster.reserve_timeout_s."
+        hints.append(f"It lacks {', '.join(short)}: lower cluster.workers or the per-worker resources, "
+                     f"or add nodes (an autoscaling cluster may need a longer cluster.reserve_timeout_s).")
+    if biggest_fit:
+        hints.append(f"No single node has the {', '.join(biggest_fit)} one bundle needs: lower the per-worker resources.")
+    if not hints and strategy.startswith("STRICT"):
+        hints.append(f"{strategy} cannot be met by these nodes: use placement: pack or spread.")
+    if not hints:
+        hints.append("The resources are busy with other work: wait, or raise cluster.reserve_timeout_s.")
+    msg += " " + " ".join(hints)
     return msg
 
 

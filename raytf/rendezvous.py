@@ -14,6 +14,7 @@ class ActorReport:
     node_ip: str
     port: int
     gpu_ids: tuple[str, ...] = ()
+    cuda_visible_devices: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +29,7 @@ class Task:
     node_ip: str
     port: int
     gpu_ids: tuple[str, ...]
+    cuda_visible_devices: str | None = None
 
     @property
     def address(self) -> str:
@@ -54,7 +56,8 @@ def assign_ranks(reports: list[ActorReport]) -> list[Task]:
         first_bundle_on_node[r.node_id] = min(first_bundle_on_node.get(r.node_id, r.bundle_index), r.bundle_index)
     ordered = sorted(reports, key=lambda r: (first_bundle_on_node[r.node_id], _gpu_sort_key(r.gpu_ids), r.bundle_index))
     return [Task(rank=i, role="worker", index=i, bundle_index=r.bundle_index, node_id=r.node_id,
-                 node_ip=r.node_ip, port=r.port, gpu_ids=tuple(r.gpu_ids)) for i, r in enumerate(ordered)]
+                 node_ip=r.node_ip, port=r.port, gpu_ids=tuple(r.gpu_ids),
+                 cuda_visible_devices=r.cuda_visible_devices) for i, r in enumerate(ordered)]
 
 
 def cluster_spec(tasks: list[Task]) -> dict[str, list[str]]:

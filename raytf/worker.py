@@ -37,12 +37,8 @@ class TaskActor:
         ctx = ray.get_runtime_context()
         return ActorReport(bundle_index=self._bundle_index, node_id=ctx.get_node_id(),
                            node_ip=ray.util.get_node_ip_address(), port=self._port,
-                           gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()))
-
-    def environment(self) -> dict[str, str | None]:
-        """What this process sees: for tests and diagnostics."""
-        return {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "TF_CONFIG")} | {"cwd": os.getcwd(),
-                                                                                         "pid": str(os.getpid())}
+                           gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()),
+                           cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
 
     def release_port(self) -> None:
         if self._held is not None:

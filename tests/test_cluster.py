@@ -1,0 +1,209 @@
+"""Real jobs on a local multi-node Ray cluster (ray.cluster_utils.Cluster): two GPU nodes with logical
+GPUs, real actors, real TF gRPC between them, real Parquet, real files written."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+import raytf
+from raytf import controller
+from raytf.errors import PlacementTimeout, TrainingFailed
+from raytf.group import WorkerGroup
+from raytf.spec import load
+from tests.conftest import REPO, base_spec, write_job
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
+    gpu_nodes = [c.add_node(num_cpus=1, num_gpus=2) for _ in range(2)]
+    c.wait_for_nodes()
+    ray.init(address=c.address)
+    yield c, gpu_nodes
+    ray.shutdown()
+    c.shutdown()
+
+
+def assert_nothing_left(deadline_s=15):
+    """No live raytf actor and no placement group that is not removed."""
+    from ray.util.state import list_actors
+
+    end = time.time() + deadline_s
+    while True:
+        actors = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if a.class_name == "TaskActor"]
+        groups = [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
+        if not actors and not groups:
+            return
+        if time.time() > end:
+            pytest.fail(f"leaked: {len(actors)} actors, placement groups {[g['state'] for g in groups]}")
+        time.sleep(0.5)
+
+
+def test_two_workers_on_two_gpu_nodes_train_to_identical_weights(cluster, job_dir):
+    _, gpu_nodes = cluster
+    spec = base_spec(train={"epochs": 3, "global_batch_size": 64},
+                     cluster={"workers": 2, "cpus_per_worker": 0.5, "gpus_per_worker": 1, "placement": "strict_spread"})
+    result = raytf.fit(write_job(job_dir, spec))
+
+    assert result.status == "succeeded"
+    nodes = {t["node_id"] for t in result.tasks}
+    assert nodes == {n.node_id for n in gpu_nodes}  # spread over both GPU nodes, none on the head
+    for task in result.tasks:  # each actor sees exactly its own logical GPU
+        assert len(task["gpu_ids"]) == 1 and task["cuda_visible_devices"] == task["gpu_ids"][0]
+    assert [t["rank"] for t in result.tasks] == [0, 1] and result.tasks[0]["role"] == "chief"
+    digests = {t["weights_digest"] for t in result.tasks}
+    assert len(digests) == 1  # bit-identical weights on every worker
+
+    losses = [h["loss"] for h in result.history]
+    assert len(losses) == 3 and losses[-1] < losses[0] * 0.5
+    assert all(h["examples"] == 1437 // 64 * 64 for h in result.history)  # remainder dropped, as documented
+    assert all(h["val_examples"] == 360 for h in result.history)  # every validation row, once
+    assert result.history[-1]["val_accuracy"] > 0.8
+
+    saved = json.loads((job_dir / "runs" / "t" / "result.json").read_text())
+    for key in ("name", "strategy", "status", "tasks", "history", "examples_per_s", "model_path"):
+        assert key in saved
+    assert saved["history"] == result.history and saved["examples_per_s"] > 0
+    assert any(p.name.startswith("events.out.tfevents") for p in (job_dir / "runs" / "t" / "tensorboard").iterdir())
+
+    import keras
+    import numpy as np
+
+    model = keras.models.load_model(result.model_path)
+    weights = np.concatenate([w.reshape(-1) for w in model.get_weights()])
+    assert weights.size > 0 and np.isfinite(weights).all()
+    assert_nothing_left()
+
+
+def test_asking_for_more_gpus_than_exist_exits_3_within_the_timeout(cluster, job_dir):
+    c, _ = cluster
+    path = write_job(job_dir, base_spec(train={"global_batch_size": 60},
+                                        cluster={"workers": 2, "gpus_per_worker": 3, "cpus_per_worker": 0.5,
+                                                 "reserve_timeout_s": 3}))
+    started = time.time()
+    proc = subprocess.run([sys.executable, "-m", "raytf.cli", "run", str(path), "--address", c.address],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "asked for 2 bundles of {CPU: 0.5, GPU: 3}" in proc.stderr
+    assert "the cluster has {CPU: 3, GPU: 4}" in proc.stderr and "No single node has the GPU" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert time.time() - started < 90
+    with pytest.raises(PlacementTimeout):  # the library raises the same error
+        raytf.fit(path, {"cluster.reserve_timeout_s": 1})
+    assert_nothing_left()
+
+
+class PortThiefGroup(WorkerGroup):
+    """Steals rank 1's port between the rendezvous and TensorFlow's bind, once."""
+
+    stolen: list = []
+
+    def setup(self, tasks, payload, timeout_s):
+        if not PortThiefGroup.stolen:
+            victim = tasks[1]
+            ray.get(self.actors[victim.bundle_index].release_port.remote())
+            thief = socket.socket()
+            thief.bind(("", victim.port))
+            thief.listen()
+            PortThiefGroup.stolen.append((thief, victim.port))
+        return super().setup(tasks, payload, timeout_s)
+
+
+def test_a_port_taken_before_tensorflow_binds_it_costs_a_fresh_rendezvous_not_the_job(cluster, job_dir):
+    job = load(write_job(job_dir, base_spec(train={"epochs": 1})))
+    try:
+        result = controller.run(job, group_cls=PortThiefGroup)
+    finally:
+        for thief, _ in PortThiefGroup.stolen:
+            thief.close()
+    assert PortThiefGroup.stolen, "the thief never struck"
+    assert result.status == "succeeded" and result.rendezvous_attempts == 2
+    assert PortThiefGroup.stolen[0][1] not in [int(t["address"].rsplit(":", 1)[1]) for t in result.tasks]
+    assert_nothing_left()
+
+
+FAILING_MODEL = textwrap.dedent('''
+    import json, os
+    from tmodel import build_model as _build
+
+    def build_model():
+        if json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 1:
+            raise ValueError("boom on rank 1")
+        return _build()
+''')
+
+
+def test_one_failing_worker_fails_the_job_fast_with_its_rank_and_cause(cluster, job_dir):
+    (job_dir / "failing.py").write_text(FAILING_MODEL)
+    path = write_job(job_dir, base_spec(model="failing:build_model"))
+    started = time.time()
+    with pytest.raises(TrainingFailed) as info:
+        raytf.fit(path)
+    message = str(info.value)
+    assert message.startswith("training failed: rank(s) 1: ValueError: boom on rank 1"), message
+    assert info.value.causes["ValueError: boom on rank 1"] == [1]
+    assert time.time() - started < 120  # rank 0, left waiting in a collective, was torn down
+    saved = json.loads((job_dir / "runs" / "t" / "result.json").read_text())
+    assert saved["status"] == "failed" and "boom on rank 1" in saved["error"]
+    assert_nothing_left()
+
+
+ESCAPE_HATCHES = textwrap.dedent('''
+    import numpy as np
+    import tensorflow as tf
+    import keras
+
+    def dataset_fn(input_context):
+        rng = np.random.default_rng(input_context.input_pipeline_id)
+        x = rng.normal(size=(512, 4)).astype("float32")
+        y = (x @ np.array([1.0, -2.0, 0.5, 3.0], "float32")).reshape(-1, 1)
+        batch = input_context.get_per_replica_batch_size(32)
+        return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(batch)
+
+    def linear():
+        return keras.Sequential([keras.Input(shape=(4,)), keras.layers.Dense(1)])
+
+    def train_fn(ctx):
+        with ctx.strategy.scope():
+            model = ctx.build_model()
+            model.compile(optimizer="sgd", loss="mse")
+        for epoch in range(2):
+            ctx.report({"loss": 1.0 / (epoch + 1), "rank": ctx.rank, "world": ctx.world_size,
+                        "per_replica": ctx.per_replica_batch_size})
+        ctx.save_model(model)
+''')
+
+
+def test_dataset_fn_feeds_raytfs_loop(cluster, job_dir):
+    (job_dir / "hatch.py").write_text(ESCAPE_HATCHES)
+    spec = base_spec(model="hatch:linear", dataset_fn="hatch:dataset_fn", loss="mse", metrics=["mae"],
+                     optimizer={"name": "sgd", "learning_rate": 0.05},
+                     train={"epochs": 3, "global_batch_size": 32, "steps_per_epoch": 20})
+    spec.pop("data")
+    result = raytf.fit(write_job(job_dir, spec))
+    losses = [h["loss"] for h in result.history]
+    assert len(losses) == 3 and losses[-1] < losses[0] * 0.2
+    assert all(h["examples"] == 20 * 32 for h in result.history)
+    assert len({t["weights_digest"] for t in result.tasks}) == 1
+    assert_nothing_left()
+
+
+def test_train_fn_gets_strategy_rank_and_report(cluster, job_dir):
+    (job_dir / "hatch.py").write_text(ESCAPE_HATCHES)
+    spec = base_spec(model="hatch:linear", train_fn="hatch:train_fn", train={"global_batch_size": 32})
+    spec.pop("data")
+    result = raytf.fit(write_job(job_dir, spec))
+    assert [h["loss"] for h in result.history] == [1.0, 0.5]
+    assert result.history[0]["rank"] == 0 and result.history[0]["world"] == 2
+    assert result.history[0]["per_replica"] == 16
+    assert result.model_path and os.path.exists(result.model_path)
+    assert_nothing_left()

@@ -1,0 +1,32 @@
+"""The shortage message says what was asked, what the cluster has, and what to change."""
+from raytf.placement import shortage_message, worker_bundles
+from raytf.spec import ClusterSpec
+
+
+def test_one_bundle_per_worker_without_zero_resources():
+    assert worker_bundles(ClusterSpec(workers=3, cpus_per_worker=2, gpus_per_worker=0)) == [{"CPU": 2.0}] * 3
+    assert worker_bundles(ClusterSpec(workers=2, cpus_per_worker=1, gpus_per_worker=1)) == [{"CPU": 1.0, "GPU": 1.0}] * 2
+
+
+def test_missing_gpus_are_named_with_what_the_cluster_has():
+    msg = shortage_message([{"CPU": 1, "GPU": 4}] * 2, "PACK", 5, {"CPU": 4, "GPU": 2}, {"CPU": 4, "GPU": 2},
+                           [{"CPU": 2, "GPU": 1}, {"CPU": 2, "GPU": 1}])
+    assert "asked for 2 bundles of {CPU: 1, GPU: 4}" in msg
+    assert "total {CPU: 2, GPU: 8}" in msg
+    assert "the cluster has {CPU: 4, GPU: 2} in 2 node(s)" in msg
+    assert "lacks GPU" in msg and "lower cluster.workers" in msg
+
+
+def test_a_bundle_bigger_than_any_node_is_explained():
+    msg = shortage_message([{"CPU": 3}] * 2, "SPREAD", 5, {"CPU": 8}, {"CPU": 8}, [{"CPU": 2}] * 4)
+    assert "No single node has the CPU one bundle needs" in msg
+
+
+def test_strict_spread_over_too_few_nodes_suggests_pack():
+    msg = shortage_message([{"CPU": 1}] * 3, "STRICT_SPREAD", 5, {"CPU": 8}, {"CPU": 8}, [{"CPU": 4}] * 2)
+    assert "STRICT_SPREAD cannot be met" in msg and "placement: pack" in msg
+
+
+def test_busy_cluster_says_so():
+    msg = shortage_message([{"CPU": 1}] * 2, "PACK", 5, {"CPU": 2}, {"CPU": 0}, [{"CPU": 2}])
+    assert "busy" in msg and "{CPU: 0} available now" in msg

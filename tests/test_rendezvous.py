@@ -1,0 +1,50 @@
+"""Rank assignment and TF_CONFIG are pure: tested on fake actor reports."""
+import json
+
+import pytest
+
+from raytf.rendezvous import ActorReport, assign_ranks, cluster_spec, tf_config
+
+
+def report(bundle, node, port=1000, gpus=(), ip=None):
+    return ActorReport(bundle_index=bundle, node_id=node, node_ip=ip or f"10.0.0.{node[-1]}", port=port + bundle,
+                       gpu_ids=tuple(gpus))
+
+
+def test_actors_on_one_node_get_adjacent_ranks_and_the_first_bundles_node_is_rank_0():
+    reports = [report(0, "n1"), report(1, "n2"), report(2, "n1"), report(3, "n2")]
+    tasks = assign_ranks(reports)
+    assert [t.rank for t in tasks] == [0, 1, 2, 3]
+    assert [t.node_id for t in tasks] == ["n1", "n1", "n2", "n2"]
+    assert [t.bundle_index for t in tasks] == [0, 2, 1, 3]
+
+
+@pytest.mark.parametrize("order", [[0, 1, 2, 3], [3, 2, 1, 0], [2, 0, 3, 1]])
+def test_ranks_do_not_depend_on_the_order_reports_arrive(order):
+    reports = [report(0, "a", gpus=["1"]), report(1, "b", gpus=["0"]), report(2, "a", gpus=["0"]),
+               report(3, "b", gpus=["1"])]
+    tasks = assign_ranks([reports[i] for i in order])
+    assert [(t.node_id, t.gpu_ids) for t in tasks] == [("a", ("0",)), ("a", ("1",)), ("b", ("0",)), ("b", ("1",))]
+
+
+def test_gpu_ids_sort_as_numbers():
+    tasks = assign_ranks([report(0, "a", gpus=["10"]), report(1, "a", gpus=["9"])])
+    assert [t.gpu_ids for t in tasks] == [("9",), ("10",)]
+
+
+def test_duplicate_bundles_are_rejected():
+    with pytest.raises(ValueError, match="duplicate bundle"):
+        assign_ranks([report(0, "a"), report(0, "b")])
+
+
+def test_tf_config_lists_every_worker_by_rank_and_names_this_task():
+    tasks = assign_ranks([report(0, "n1", port=5000), report(1, "n2", port=6000)])
+    for task in tasks:
+        config = json.loads(tf_config(tasks, task))
+        assert config["cluster"] == {"worker": ["10.0.0.1:5000", "10.0.0.2:6001"]}
+        assert config["task"] == {"type": "worker", "index": task.rank}
+
+
+def test_ipv6_addresses_are_bracketed():
+    tasks = assign_ranks([report(0, "n1", port=5000, ip="fe80::1")])
+    assert cluster_spec(tasks) == {"worker": ["[fe80::1]:5000"]}

@@ -1,0 +1,105 @@
+"""Bad specs are one clear error naming the key, the value and the fix, exit code 2, before any actor."""
+import pytest
+from click.testing import CliRunner
+
+from raytf.cli import main
+from raytf.errors import SpecError
+from raytf.spec import apply_overrides, load, parse, parse_set_options
+from tests.conftest import base_spec, write_job
+
+
+def error_of(raw):
+    with pytest.raises(SpecError) as info:
+        parse(raw)
+    return str(info.value)
+
+
+def test_a_valid_spec_gets_defaults():
+    spec = parse(base_spec())
+    assert spec.cluster.placement == "pack" and spec.loss.from_logits is True
+    assert spec.train.steps_per_epoch is None and spec.strategy == "mirrored"
+
+
+def test_unknown_keys_are_errors_that_list_the_known_ones():
+    msg = error_of(base_spec(cluster={"wrkers": 2}))
+    assert "cluster.wrkers: unknown key" in msg and "workers" in msg and "reserve_timeout_s" in msg
+
+
+def test_wrong_types_name_the_key_and_the_value():
+    msg = error_of(base_spec(train={"epochs": "many"}))
+    assert "train.epochs" in msg and "'many'" in msg
+
+
+def test_indivisible_global_batch_names_the_nearest_valid_values():
+    msg = error_of(base_spec(train={"global_batch_size": 100}, cluster={"workers": 3}))
+    assert "global_batch_size 100 is not divisible by 3 replicas" in msg and "use 99 or 102" in msg
+    msg = error_of(base_spec(train={"global_batch_size": 2}, cluster={"workers": 3}))
+    assert "use 3" in msg
+
+
+def test_gpus_per_worker_count_as_replicas():
+    msg = error_of(base_spec(train={"global_batch_size": 64}, cluster={"workers": 3, "gpus_per_worker": 2}))
+    assert "6 replicas (3 workers x 2)" in msg
+
+
+def test_bad_placement_and_function_names():
+    assert "'diagonal' is not one of" in error_of(base_spec(cluster={"placement": "diagonal"}))
+    assert "is not a module:function name" in error_of(base_spec(model="tmodel.build_model"))
+
+
+def test_dataset_fn_needs_steps_per_epoch_and_excludes_data():
+    spec = base_spec(dataset_fn="tmodel:make")
+    assert "exactly one of data" in error_of(spec)
+    spec.pop("data")
+    assert "train.steps_per_epoch: required with dataset_fn" in error_of(spec)
+
+
+def test_parameter_server_is_refused_for_now():
+    assert "not available yet" in error_of(base_spec(strategy="parameter_server"))
+
+
+def test_overrides_set_nested_keys_with_yaml_types():
+    raw = apply_overrides(base_spec(), parse_set_options(["train.epochs=7", "cluster.placement=spread",
+                                                          "optimizer.learning_rate=1e-3"]))
+    spec = parse(raw)
+    assert spec.train.epochs == 7 and spec.cluster.placement == "spread" and spec.optimizer.learning_rate == 0.001
+    with pytest.raises(SpecError, match="expected KEY=VALUE"):
+        parse_set_options(["train.epochs"])
+
+
+def test_load_resolves_paths_against_the_job_folder(job_dir, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # not the job folder: paths must still resolve
+    job = load(write_job(job_dir, base_spec()))
+    assert job.job_dir == job_dir
+    assert job.data_path("data/digits-train.parquet") == str(job_dir / "data" / "digits-train.parquet")
+    assert job.actor_data_path("data/digits-train.parquet") == "data/digits-train.parquet"
+    assert job.datasets["train"].num_rows == 1437 and job.datasets["validation"].num_rows == 360
+    assert job.output_dir == job_dir / "runs" / "t"
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"model": "tmodel:nope"}, "'tmodel' has no function 'nope'"),
+    ({"model": "tmodel:not_a_function"}, "is a int, not a function"),
+    ({"model": "missing_mod:f"}, "module 'missing_mod' not found"),
+    ({"data": {"train": "data/none.parquet"}}, "data.train: "),
+    ({"data": {"features": ["pixel"]}}, "column(s) ['pixel'] not in"),
+    ({"loss": "sparse_categorical_crossentropyy"}, "unknown Keras loss"),
+    ({"metrics": ["acuracy"]}, "unknown Keras metric 'acuracy'"),
+    ({"optimizer": {"name": "adamm"}}, "optimizer: cannot build 'adamm'"),
+])
+def test_load_errors_name_the_bad_value(job_dir, change, message):
+    with pytest.raises(SpecError) as info:
+        load(write_job(job_dir, base_spec(**change)))
+    assert message in str(info.value)
+
+
+def test_cli_exits_2_with_a_one_line_error(job_dir):
+    path = write_job(job_dir, base_spec(cluster={"workers": 0}))
+    result = CliRunner().invoke(main, ["run", str(path)])
+    assert result.exit_code == 2
+    assert result.output.startswith("raytf: error: ") and "cluster.workers" in result.output
+    assert "Traceback" not in result.output
+    result = CliRunner().invoke(main, ["run", str(job_dir / "absent.yaml")])
+    assert result.exit_code == 2 and "no such job file" in result.output
+    result = CliRunner().invoke(main, ["run", str(path), "--set", "nokey"])
+    assert result.exit_code == 2 and "expected KEY=VALUE" in result.output
