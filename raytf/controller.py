@@ -19,7 +19,7 @@ from raytf.spec import Job, code_root
 from raytf.worker_api import WorkerPayload
 
 RENDEZVOUS_ATTEMPTS = 3  # fresh ports each time; a port lost twice in a row is already rare
-POLL_INTERVAL_S = 0.5
+POLL_INTERVAL_S = 1.0
 PEER_ERROR_GRACE_S = 5.0  # after a rank fails, how long to collect the others' errors before teardown
 
 
@@ -86,6 +86,8 @@ def run(job: Job, group_cls: Callable[..., WorkerGroup] = WorkerGroup,
     display.message(f"raytf: reserving {len(bundles)} x {bundles[0]} ({spec.cluster.placement})")
     pg = placement.reserve(bundles, spec.cluster.placement, spec.cluster.reserve_timeout_s,
                            name=f"raytf-{spec.name}-{os.getpid()}")
+    phase = _PhaseClock(result.phases, started)
+    phase.done("reserve_s")
     try:
         for attempt in range(1, RENDEZVOUS_ATTEMPTS + 1):
             group = group_cls(pg, bundles, env)
@@ -102,10 +104,12 @@ def run(job: Job, group_cls: Callable[..., WorkerGroup] = WorkerGroup,
                 raise
             result.rendezvous_attempts = attempt
             break
+        phase.done("start_s")
         display.message("raytf: " + ", ".join(f"rank {t.rank}@{t.address}" + (f" gpu {','.join(t.gpu_ids)}" if t.gpu_ids else "")
                                                for t in tasks))
         try:
             outcomes = _supervise(group, payload, display, spec.failure.hang_timeout_s)
+            phase.done("train_s")
         finally:
             group.stop()
     except BaseException as exc:
@@ -136,6 +140,7 @@ def run(job: Job, group_cls: Callable[..., WorkerGroup] = WorkerGroup,
     result.model_path = str(model_path) if model_path.exists() else None
     tb = job.output_dir / "tensorboard"
     result.tensorboard_dir = str(tb) if tb.exists() else None
+    phase.done("finish_s")
     result.write()
     display.message(summary_table(result.history))
     return result
@@ -199,6 +204,18 @@ def _fail(rank_of: dict, failed_ref, exc: BaseException, pending: list) -> None:
     if len(lines) > 1:
         message += "; then " + "; ".join(lines[1:])
     raise TrainingFailed(message, causes) from root_cause(exc)
+
+
+class _PhaseClock:
+    """Seconds spent in each phase of the run, for result.json's `phases`."""
+
+    def __init__(self, phases: dict[str, float], started: float):
+        self.phases, self._last = phases, started
+
+    def done(self, name: str) -> None:
+        now = time.time()
+        self.phases[name] = round(now - self._last, 3)
+        self._last = now
 
 
 class _Rate:

@@ -22,8 +22,9 @@ from raytf.errors import SpecError
 @dataclasses.dataclass(frozen=True)
 class Column:
     name: str
-    dtype: str  # numpy dtype name the tensor will have
+    dtype: str  # numpy dtype name the tensor will have, or "string"
     dim: int | None  # None: a scalar per row; else a vector of this length
+    fill: float | str | None = None  # value for nulls (data.fill_nulls); None: nulls are an error
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,12 +194,21 @@ def _read_piece(fs: pafs.FileSystem, root: str, piece: Piece, columns: list[str]
 
 
 def to_numpy(column: pa.ChunkedArray | pa.Array, info: Column):
-    """Arrow column -> NumPy array of info.dtype, shape (n,) or (n, dim); no Python loop per row."""
+    """Arrow column -> NumPy array of info.dtype, shape (n,) or (n, dim); no Python loop per row.
+    Nulls take info.fill when the spec gives one, else they are an error naming the column."""
     import numpy as np
 
     array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     if array.null_count:
-        raise ValueError(f"column {info.name!r} has {array.null_count} null values; fill them before training")
+        if info.fill is None:
+            raise ValueError(f"column {info.name!r} has {array.null_count} null values; set "
+                             f"data.fill_nulls.{info.name} in the spec or clean the data")
+        array = pa.compute.fill_null(array, pa.scalar(info.fill, array.type if info.dim is None else None)) \
+            if info.dim is None else array
+        if array.null_count:
+            raise ValueError(f"column {info.name!r}: null lists cannot be filled; clean the data")
+    if info.dtype == "string":
+        return np.asarray(array.cast(pa.string()).to_numpy(zero_copy_only=False), dtype=object)
     if info.dim is None:
         return array.to_numpy(zero_copy_only=False).astype(info.dtype, copy=False)
     values = array.flatten().to_numpy(zero_copy_only=False).astype(info.dtype, copy=False)
@@ -207,55 +217,114 @@ def to_numpy(column: pa.ChunkedArray | pa.Array, info: Column):
     return values.reshape(len(array), info.dim)
 
 
-def iter_shard(info: DatasetInfo, root: str, shard: list[Slice]) -> Iterator[tuple]:
-    """Yield (feature arrays..., label array) per slice of this worker's shard, one row group at a time."""
+def _read_slice(fs, root: str, info: DatasetInfo, s: Slice) -> tuple:
+    names = [c.name for c in (*info.features, info.label)]
+    table = _read_piece(fs, root, info.pieces[s.piece], names).slice(s.start, s.stop - s.start)
+    return tuple(to_numpy(table.column(c.name), c) for c in (*info.features, info.label))
+
+
+def iter_shard(info: DatasetInfo, root: str, shard: list[Slice], read_ahead: int = 2) -> Iterator[tuple]:
+    """Yield (feature arrays..., label array) per slice of the shard, in order. Up to `read_ahead`
+    row groups are read in background threads (pyarrow releases the GIL while it decodes)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     fs, root = _filesystem(root)
-    names = [c.name for c in info.features] + [info.label.name]
-    for s in shard:
-        table = _read_piece(fs, root, info.pieces[s.piece], names).slice(s.start, s.stop - s.start)
-        yield tuple(to_numpy(table.column(c.name), c) for c in (*info.features, info.label))
+    with ThreadPoolExecutor(max_workers=max(1, read_ahead)) as pool:
+        futures = [pool.submit(_read_slice, fs, root, info, s) for s in shard[:read_ahead]]
+        for i in range(len(shard)):
+            if i + read_ahead < len(shard):
+                futures.append(pool.submit(_read_slice, fs, root, info, shard[i + read_ahead]))
+            yield futures[i].result()
+            futures[i] = None  # drop the reference: memory stays bounded by the read-ahead
 
 
-def _signature(info: DatasetInfo):
+def shuffled_chunks(info: DatasetInfo, root: str, shard: list[Slice], shuffle_buffer: int, seed: int,
+                    repeat: bool) -> Iterator[tuple]:
+    """The shard as chunks of rows, shuffled: row groups in a per-epoch random order, rows permuted
+    within windows of about `shuffle_buffer` rows. Memory: one window plus the read-ahead."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    while True:
+        order = rng.permutation(len(shard)) if shuffle_buffer > 0 else range(len(shard))
+        window: list[tuple] = []
+        rows = 0
+        for arrays in iter_shard(info, root, [shard[i] for i in order]):
+            window.append(arrays)
+            rows += len(arrays[-1])
+            if rows >= shuffle_buffer:
+                yield _permuted(window, rng, shuffle_buffer > 0)
+                window, rows = [], 0
+        if window:
+            yield _permuted(window, rng, shuffle_buffer > 0)
+        if not repeat:
+            return
+
+
+def _permuted(window: list[tuple], rng, shuffle: bool) -> tuple:
+    import numpy as np
+
+    columns = [np.concatenate(parts) if len(parts) > 1 else parts[0] for parts in zip(*window)]
+    if not shuffle:
+        return tuple(columns)
+    perm = rng.permutation(len(columns[-1]))
+    return tuple(c[perm] for c in columns)
+
+
+def _signature(info: DatasetInfo, weight: bool = False):
     import tensorflow as tf
 
-    return tuple(tf.TensorSpec(shape=(None,) if c.dim is None else (None, c.dim), dtype=c.dtype)
-                 for c in (*info.features, info.label))
-
-
-def _rows(info: DatasetInfo, root: str, shard: list[Slice]):
-    import tensorflow as tf
-
-    ds = tf.data.Dataset.from_generator(lambda: iter_shard(info, root, shard), output_signature=_signature(info))
-    return ds.unbatch()
+    specs = tuple(tf.TensorSpec(shape=(None,) if c.dim is None else (None, c.dim),
+                                dtype=tf.string if c.dtype == "string" else c.dtype)
+                  for c in (*info.features, info.label))
+    return specs + ((tf.TensorSpec(shape=(None,), dtype=tf.float32),) if weight else ())
 
 
 def _pack(info: DatasetInfo):
-    """Row tuple -> (x, y): x is the one feature's tensor, or a dict by name when there are several."""
+    """Column tuple -> (x, y[, w]): x is the one feature's tensor, or a dict by name when there are several."""
     names = [c.name for c in info.features]
+    n = len(names)
 
-    def pack(*row):
-        *features, label = row
-        x = features[0] if len(features) == 1 else dict(zip(names, features))
-        return x, label
+    def pack(*columns):
+        features, label, rest = columns[:n], columns[n], columns[n + 1:]
+        x = features[0] if n == 1 else dict(zip(names, features))
+        return (x, label, *rest)
 
     return pack
 
 
 def train_dataset(info: DatasetInfo, root: str, shard: list[Slice], batch_size: int, steps: int,
                   shuffle_buffer: int, seed: int, repeat: bool):
-    """This worker's training batches for one epoch: exactly `steps` batches of `batch_size` rows
-    (the remainder of the shard that does not fill a batch is dropped, a different one each epoch
-    because the shuffle is reseeded per epoch by the caller)."""
+    """This worker's training batches for one epoch: exactly `steps` batches of `batch_size` rows.
+    Chunks come from a Python generator (one call per shuffle window, not per row or batch) and are cut
+    into batches by tf.data's `rebatch`, in C++. Rows that do not fill the last batch are dropped; with a
+    per-epoch seed they are different rows each epoch."""
     import tensorflow as tf
 
-    ds = _rows(info, root, shard)
-    if shuffle_buffer > 0:
-        ds = ds.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
-    if repeat:
-        ds = ds.repeat()
-    ds = ds.map(_pack(info), num_parallel_calls=tf.data.AUTOTUNE)
-    return ds.batch(batch_size, drop_remainder=True).take(steps).prefetch(tf.data.AUTOTUNE)
+    ds = tf.data.Dataset.from_generator(
+        lambda: shuffled_chunks(info, root, shard, shuffle_buffer, seed, repeat), output_signature=_signature(info))
+    ds = ds.rebatch(batch_size, drop_remainder=True).take(steps)
+    return ds.map(_pack(info), num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
+
+
+def padded_chunks(info: DatasetInfo, root: str, shard: list[Slice], total_rows: int) -> Iterator[tuple]:
+    """Every row of the shard once, with weight 1, then weight-0 rows up to `total_rows`."""
+    import numpy as np
+
+    rows = 0
+    for arrays in iter_shard(info, root, shard):
+        n = len(arrays[-1])
+        rows += n
+        yield (*arrays, np.ones(n, np.float32))
+    pad = total_rows - rows
+    if pad < 0:
+        raise ValueError(f"{total_rows} rows cannot hold the shard's {rows}")
+    if pad:
+        zeros = []
+        for c in (*info.features, info.label):
+            shape = (pad,) if c.dim is None else (pad, c.dim)
+            zeros.append(np.full(shape, b"", dtype=object) if c.dtype == "string" else np.zeros(shape, c.dtype))
+        yield (*zeros, np.zeros(pad, np.float32))
 
 
 def eval_dataset(info: DatasetInfo, root: str, shard: list[Slice], batch_size: int, steps: int):
@@ -263,14 +332,7 @@ def eval_dataset(info: DatasetInfo, root: str, shard: list[Slice], batch_size: i
     so every worker runs the same number of steps and no row is dropped or counted twice."""
     import tensorflow as tf
 
-    rows = shard_rows(shard)
-    pad = steps * batch_size - rows
-    if pad < 0:
-        raise ValueError(f"{steps} steps of {batch_size} cannot hold {rows} rows")
-    pack = _pack(info)
-    real = _rows(info, root, shard).map(lambda *row: (*pack(*row), tf.constant(1.0)))
-    if pad:
-        zeros = tuple(tf.zeros(spec.shape[1:], spec.dtype) for spec in _signature(info))
-        padding = tf.data.Dataset.from_tensors(zeros).repeat(pad).map(lambda *row: (*pack(*row), tf.constant(0.0)))
-        real = real.concatenate(padding)
-    return real.batch(batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+    ds = tf.data.Dataset.from_generator(lambda: padded_chunks(info, root, shard, steps * batch_size),
+                                        output_signature=_signature(info, weight=True))
+    ds = ds.rebatch(batch_size, drop_remainder=True)
+    return ds.map(_pack(info), num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)

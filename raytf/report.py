@@ -25,6 +25,7 @@ class Result:
     wall_s: float | None = None
     time_to_first_step_s: float | None = None
     rendezvous_attempts: int = 1
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)  # reserve_s, start_s, train_s, finish_s
     error: str | None = None
 
     @property

@@ -1,0 +1,34 @@
+"""One hand-launched TF worker (no Ray): TF_CONFIG comes from the environment, as a user would write it.
+Runs raytf's own loop, so the comparison with raytf isolates orchestration cost. Prints one JSON line."""
+import json
+import os
+import sys
+import tempfile
+import time
+
+from raytf import controller, spec
+from raytf.worker_api import TaskContext
+
+
+def main(job_file: str, overrides_json: str) -> None:
+    import tensorflow as tf
+
+    # Before spec.load: its Keras checks initialise TF, after which collectives cannot be configured.
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    job = spec.load(job_file, json.loads(overrides_json))
+    payload = controller.build_payload(job)
+    payload = payload.__class__(spec=payload.spec, train_data=payload.train_data,
+                                train_root=job.data_path(job.spec.data.train), val_data=payload.val_data,
+                                val_root=job.data_path(job.spec.data.validation) if job.spec.data.validation else None)
+    from raytf.strategies import mirrored
+
+    config = json.loads(os.environ["TF_CONFIG"])
+    ctx = TaskContext(config["task"]["index"], len(config["cluster"]["worker"]), payload.spec, tempfile.mkdtemp(),
+                      payload)
+    outcome = mirrored.run(strategy, payload, ctx)
+    print(json.dumps({"first_step_at": ctx.first_step_at, "finished_at": time.time(), "steps": outcome["steps"],
+                      "loss": outcome["history"][-1]["loss"]}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
