@@ -79,9 +79,12 @@ def _ray_train_loop(config: dict) -> None:
     import tensorflow as tf
     import ray.train
 
-    table = pq.read_table(config["train"])
-    x = np.stack(table.column("pixels").to_numpy(zero_copy_only=False)).astype("float32")
-    y = table.column("label").to_numpy()
+    def arrays(path):
+        table = pq.read_table(path)
+        return np.stack(table.column("pixels").to_numpy(zero_copy_only=False)).astype("float32"), \
+            table.column("label").to_numpy()
+
+    (x, y), (xv, yv) = arrays(config["train"]), arrays(config["validation"])
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     with strategy.scope():
         model = tf.keras.Sequential([tf.keras.Input(shape=(64,)), tf.keras.layers.Dense(128, activation="relu"),
@@ -96,7 +99,9 @@ def _ray_train_loop(config: dict) -> None:
         def on_train_batch_end(self, batch, logs=None):
             marks.setdefault("first_step_at", time.time())
 
-    history = model.fit(ds, epochs=config["epochs"], steps_per_epoch=steps, verbose=0, callbacks=[Timing()])
+    val = tf.data.Dataset.from_tensor_slices((xv, yv)).batch(config["batch"])  # validated every epoch, as raytf does
+    history = model.fit(ds, epochs=config["epochs"], steps_per_epoch=steps, validation_data=val, verbose=0,
+                        callbacks=[Timing()])
     # Same machine: the chief's timings go through a file (Ray Train V2's Result carries metrics only
     # alongside a checkpoint).
     if ray.train.get_context().get_world_rank() == 0:
@@ -110,7 +115,8 @@ def run_ray_train(epochs: int, global_batch: int, lr: float) -> dict:
     from ray.train.tensorflow import TensorflowTrainer
 
     out = Path(tempfile.mkdtemp()) / "chief.json"
-    config = {"train": str(REPO / "jobs" / "data" / "digits-train.parquet"), "batch": global_batch, "lr": lr,
+    config = {"train": str(REPO / "jobs" / "data" / "digits-train.parquet"),
+              "validation": str(REPO / "jobs" / "data" / "digits-test.parquet"), "batch": global_batch, "lr": lr,
               "epochs": epochs, "out": str(out)}
     trainer = TensorflowTrainer(_ray_train_loop, train_loop_config=config,
                                 scaling_config=ScalingConfig(num_workers=WORKERS, resources_per_worker={"CPU": 1}),

@@ -238,37 +238,53 @@ def iter_shard(info: DatasetInfo, root: str, shard: list[Slice], read_ahead: int
             futures[i] = None  # drop the reference: memory stays bounded by the read-ahead
 
 
-def shuffled_chunks(info: DatasetInfo, root: str, shard: list[Slice], shuffle_buffer: int, seed: int,
-                    repeat: bool) -> Iterator[tuple]:
-    """The shard as chunks of rows, shuffled: row groups in a per-epoch random order, rows permuted
-    within windows of about `shuffle_buffer` rows. Memory: one window plus the read-ahead."""
+def epoch_chunks(info: DatasetInfo, root: str, shard: list[Slice], epoch_rows: int, shuffle_buffer: int,
+                 seed: int, first_epoch: int = 1) -> Iterator[tuple]:
+    """Endless chunks of rows, exactly `epoch_rows` rows per epoch, epoch after epoch.
+
+    Each epoch has its own random generator seeded from (seed, epoch): row groups come in a random
+    order and rows are permuted within windows of about `shuffle_buffer` rows. The shard's rows beyond
+    `epoch_rows` (the remainder that does not fill a batch) are dropped, different ones each epoch; a
+    shard smaller than `epoch_rows` is read again with a fresh order. Memory: one window plus read-ahead."""
     import numpy as np
 
-    rng = np.random.default_rng(seed)
+    if epoch_rows <= 0:
+        raise ValueError(f"epoch_rows must be positive, got {epoch_rows}")
+    epoch = first_epoch
     while True:
-        order = rng.permutation(len(shard)) if shuffle_buffer > 0 else range(len(shard))
-        window: list[tuple] = []
-        rows = 0
-        for arrays in iter_shard(info, root, [shard[i] for i in order]):
-            window.append(arrays)
-            rows += len(arrays[-1])
-            if rows >= shuffle_buffer:
-                yield _permuted(window, rng, shuffle_buffer > 0)
-                window, rows = [], 0
-        if window:
-            yield _permuted(window, rng, shuffle_buffer > 0)
-        if not repeat:
-            return
+        rng = np.random.default_rng([seed, epoch])
+        needed = epoch_rows
+        while needed > 0:
+            order = rng.permutation(len(shard)) if shuffle_buffer > 0 else range(len(shard))
+            window: list[tuple] = []
+            rows = 0
+            for arrays in iter_shard(info, root, [shard[i] for i in order]):
+                window.append(arrays)
+                rows += len(arrays[-1])
+                if rows >= min(shuffle_buffer, needed):
+                    chunk = _permuted(window, rng, shuffle_buffer > 0, limit=needed)
+                    needed -= len(chunk[-1])
+                    yield chunk
+                    window, rows = [], 0
+                    if needed == 0:
+                        break
+            if window and needed > 0:
+                chunk = _permuted(window, rng, shuffle_buffer > 0, limit=needed)
+                needed -= len(chunk[-1])
+                yield chunk
+        epoch += 1
 
 
-def _permuted(window: list[tuple], rng, shuffle: bool) -> tuple:
+def _permuted(window: list[tuple], rng, shuffle: bool, limit: int) -> tuple:
+    """The window's rows as one chunk, permuted when shuffling, at most `limit` rows."""
     import numpy as np
 
     columns = [np.concatenate(parts) if len(parts) > 1 else parts[0] for parts in zip(*window)]
-    if not shuffle:
-        return tuple(columns)
-    perm = rng.permutation(len(columns[-1]))
-    return tuple(c[perm] for c in columns)
+    n = len(columns[-1])
+    if shuffle:
+        perm = rng.permutation(n)[:limit]
+        return tuple(c[perm] for c in columns)
+    return tuple(c[:limit] for c in columns) if n > limit else tuple(columns)
 
 
 def _signature(info: DatasetInfo, weight: bool = False):
@@ -293,17 +309,20 @@ def _pack(info: DatasetInfo):
     return pack
 
 
-def train_dataset(info: DatasetInfo, root: str, shard: list[Slice], batch_size: int, steps: int,
-                  shuffle_buffer: int, seed: int, repeat: bool):
-    """This worker's training batches for one epoch: exactly `steps` batches of `batch_size` rows.
-    Chunks come from a Python generator (one call per shuffle window, not per row or batch) and are cut
-    into batches by tf.data's `rebatch`, in C++. Rows that do not fill the last batch are dropped; with a
-    per-epoch seed they are different rows each epoch."""
+def train_dataset(info: DatasetInfo, root: str, shard: list[Slice], batch_size: int, batches_per_epoch: int,
+                  shuffle_buffer: int, seed: int, first_epoch: int = 1):
+    """This worker's training batches for all epochs, as one endless dataset: every epoch is exactly
+    `batches_per_epoch` batches of `batch_size` rows (see epoch_chunks for the order and the remainder).
+    One dataset and one iterator serve the whole run, so no epoch pays for building a pipeline. Chunks
+    come from a Python generator (one call per shuffle window, not per row or batch) and are cut into
+    batches by tf.data's `rebatch`, in C++."""
     import tensorflow as tf
 
+    epoch_rows = batches_per_epoch * batch_size
     ds = tf.data.Dataset.from_generator(
-        lambda: shuffled_chunks(info, root, shard, shuffle_buffer, seed, repeat), output_signature=_signature(info))
-    ds = ds.rebatch(batch_size, drop_remainder=True).take(steps)
+        lambda: epoch_chunks(info, root, shard, epoch_rows, shuffle_buffer, seed, first_epoch),
+        output_signature=_signature(info))
+    ds = ds.rebatch(batch_size, drop_remainder=True)
     return ds.map(_pack(info), num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
 
 
@@ -327,12 +346,16 @@ def padded_chunks(info: DatasetInfo, root: str, shard: list[Slice], total_rows: 
         yield (*zeros, np.zeros(pad, np.float32))
 
 
-def eval_dataset(info: DatasetInfo, root: str, shard: list[Slice], batch_size: int, steps: int):
+def eval_dataset(info: DatasetInfo, root: str, shard: list[Slice], batch_size: int, steps: int,
+                 repeat: bool = False):
     """Every row of the shard once, padded to exactly `steps` batches; padding rows carry weight 0,
-    so every worker runs the same number of steps and no row is dropped or counted twice."""
+    so every worker runs the same number of steps and no row is dropped or counted twice. With
+    `repeat`, the same `steps` batches again and again (one pipeline for every epoch's validation)."""
     import tensorflow as tf
 
     ds = tf.data.Dataset.from_generator(lambda: padded_chunks(info, root, shard, steps * batch_size),
                                         output_signature=_signature(info, weight=True))
+    if repeat:
+        ds = ds.repeat()
     ds = ds.rebatch(batch_size, drop_remainder=True)
     return ds.map(_pack(info), num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)

@@ -104,16 +104,34 @@ def test_worker_pipelines_read_each_row_once_across_workers(dataset_dir):
     assert sorted(seen) == list(range(38))
 
 
-def test_train_pipeline_gives_exactly_the_planned_batches_and_reshuffles_per_seed(dataset_dir):
+def test_train_pipeline_gives_exactly_the_planned_batches_per_epoch_reshuffled_each_epoch(dataset_dir):
     info = data.describe(str(dataset_dir), ["x"], "y")
     shard = data.plan_shards([p.num_rows for p in info.pieces], 2)[0]  # 19 rows
-    def labels(seed):
-        ds = data.train_dataset(info, str(dataset_dir), shard, 4, 4, shuffle_buffer=100, seed=seed, repeat=False)
-        return [y.numpy().tolist() for _, y in ds]
-    first, again, other = labels(1), labels(1), labels(2)
-    assert len(first) == 4 and all(len(b) == 4 for b in first)
-    assert first == again and first != other
-    assert set(sum(first, [])) <= set(range(19)) and len(set(sum(first, []))) == 16
+    def epochs(seed, count=3):
+        batches = [y.numpy().tolist() for _, y in data.train_dataset(info, str(dataset_dir), shard, 4, 4,
+                                                                      shuffle_buffer=100, seed=seed).take(4 * count)]
+        return [sum(batches[i * 4:(i + 1) * 4], []) for i in range(count)]
+    first, again, other = epochs(1), epochs(1), epochs(2)
+    assert first == again and first != other  # deterministic per seed
+    for rows in first:  # each epoch: 16 distinct rows of the shard, the 3-row remainder dropped
+        assert len(rows) == 16 and len(set(rows)) == 16 and set(rows) <= set(range(19))
+    assert first[0] != first[1]  # reshuffled per epoch
+
+
+@pytest.mark.parametrize("shuffle_buffer", [0, 5, 1000])
+def test_an_epoch_longer_than_the_shard_rereads_it(dataset_dir, shuffle_buffer):
+    info = data.describe(str(dataset_dir), ["x"], "y")
+    shard = data.plan_shards([p.num_rows for p in info.pieces], 2)[1]  # 19 rows: 19..37
+    chunks = data.epoch_chunks(info, str(dataset_dir), shard, 30, shuffle_buffer, seed=0)
+    rows = []
+    while len(rows) < 60:
+        rows.extend(next(chunks)[-1].tolist())
+    assert len(rows) == 60  # chunks never cross an epoch boundary
+    for epoch in (rows[:30], rows[30:]):
+        counts = {r: epoch.count(r) for r in set(epoch)}
+        assert set(counts) == set(range(19, 38)) and max(counts.values()) == 2  # the whole shard, then 11 again
+    if shuffle_buffer == 0:
+        assert rows[:19] == list(range(19, 38))  # no shuffle: file order
 
 
 def test_nulls_are_reported_with_the_column_name():

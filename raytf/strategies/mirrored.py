@@ -19,10 +19,6 @@ from raytf.strategies import steps as steps_lib
 from raytf.worker_api import TaskContext, WorkerPayload
 
 
-def epoch_seed(seed: int, epoch: int) -> int:
-    return (seed * 1_000_003 + epoch) % (2**31 - 1)
-
-
 def run(strategy: tf.distribute.Strategy, payload: WorkerPayload, ctx: TaskContext) -> dict[str, Any]:
     spec = payload.spec
     if spec.train_fn is not None:
@@ -51,17 +47,19 @@ def run(strategy: tf.distribute.Strategy, payload: WorkerPayload, ctx: TaskConte
     plan = _Plan(payload, ctx.world_size, global_batch, per_replica, local_replicas)
     writer = _summary_writer(ctx) if ctx.is_chief and spec.output.tensorboard else None
 
-    user_iterator = None
+    # One iterator for all epochs (building a distributed pipeline costs ~0.1 s; an epoch of a small
+    # job may be shorter than that).
     if spec.dataset_fn is not None:
-        user_iterator = iter(strategy.distribute_datasets_from_function(payload.function("dataset_fn")))
+        iterator = iter(strategy.distribute_datasets_from_function(payload.function("dataset_fn")))
+    else:
+        iterator = iter(strategy.distribute_datasets_from_function(plan.train_input(spec.train.seed)))
+    val_iterator = iter(strategy.distribute_datasets_from_function(plan.val_input())) if plan.val_steps else None
 
     history = []
     global_step = 0
     for epoch in range(1, spec.train.epochs + 1):
         started = time.time()
         train_acc.total.assign(tf.zeros_like(train_acc.total))
-        iterator = user_iterator or iter(strategy.distribute_datasets_from_function(
-            plan.train_input(epoch_seed(spec.train.seed, epoch))))
         for step in range(1, plan.steps + 1):
             try:
                 loss = fns.train(iterator)
@@ -73,7 +71,6 @@ def run(strategy: tf.distribute.Strategy, payload: WorkerPayload, ctx: TaskConte
         metrics = train_acc.results(fns.global_sum(train_acc.total.read_value()).numpy())
         if plan.val_steps:
             eval_acc.total.assign(tf.zeros_like(eval_acc.total))
-            val_iterator = iter(strategy.distribute_datasets_from_function(plan.val_input()))
             for _ in range(plan.val_steps):
                 fns.evaluate(val_iterator)
             val = eval_acc.results(fns.global_sum(eval_acc.total.read_value()).numpy())
@@ -113,7 +110,6 @@ class _Plan:
             raise ValueError(f"data.train has {rows} rows, fewer than one global batch of {global_batch}; "
                              f"lower train.global_batch_size")
         self.steps = spec.train.steps_per_epoch or full
-        self.repeat = self.steps > full
         self.train_shards = data.plan_shards([p.num_rows for p in payload.train_data.pieces], world_size)
         self.val_steps = 0
         if payload.val_data is not None:
@@ -127,7 +123,7 @@ class _Plan:
         def dataset_fn(input_context: tf.distribute.InputContext):
             shard = self.train_shards[input_context.input_pipeline_id]
             return data.train_dataset(p.train_data, p.train_root, shard, self.per_replica,
-                                      self.steps * self.local_replicas, self.shuffle_buffer, seed, self.repeat)
+                                      self.steps * self.local_replicas, self.shuffle_buffer, seed)
 
         return dataset_fn
 
@@ -137,7 +133,7 @@ class _Plan:
         def dataset_fn(input_context: tf.distribute.InputContext):
             shard = self.val_shards[input_context.input_pipeline_id]
             return data.eval_dataset(p.val_data, p.val_root, shard, self.per_replica,
-                                     self.val_steps * self.local_replicas)
+                                     self.val_steps * self.local_replicas, repeat=True)
 
         return dataset_fn
 
