@@ -55,6 +55,12 @@ class TaskActor:
         self.release_port()
         import tensorflow as tf
 
+        # Size TF's thread pools to the CPUs this actor reserved (as Ray does for OMP_NUM_THREADS):
+        # several workers on one node otherwise each spawn a pool per core and fight over them.
+        cpus = payload.spec.cluster.cpus_per_worker
+        if cpus >= 1:
+            tf.config.threading.set_intra_op_parallelism_threads(int(cpus))
+            tf.config.threading.set_inter_op_parallelism_threads(max(2, int(cpus)))
         try:
             self._strategy = tf.distribute.MultiWorkerMirroredStrategy()
         except tf.errors.UnknownError as exc:
