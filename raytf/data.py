@@ -130,6 +130,10 @@ def _list_parquet_files(fs: pafs.FileSystem, root: str, key: str) -> list[str]:
 
 def _column_info(field: pa.Field, key: str) -> Column:
     t = field.type
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return Column(field.name, "string", None)  # categorical: the model maps strings to ids
     if pa.types.is_floating(t) or pa.types.is_decimal(t):
         return Column(field.name, "float32", None)
     if pa.types.is_integer(t) or pa.types.is_boolean(t):
@@ -140,19 +144,34 @@ def _column_info(field: pa.Field, key: str) -> Column:
         if pa.types.is_floating(t.value_type) or pa.types.is_integer(t.value_type):
             return Column(field.name, "float32", -1)  # length found from the first row group
     raise SpecError(f"{key}: column {field.name!r} has type {t}, which raytf cannot make a tensor from; "
-                    f"use numbers or lists of numbers")
+                    f"use numbers, lists of numbers or strings")
 
 
 def _join(root: str, rel: str) -> str:
     return root if not rel else (rel if os.path.isabs(rel) else f"{root.rstrip('/')}/{rel}")
 
 
-def describe(path: str, features: list[str], label: str, key: str = "data") -> DatasetInfo:
-    """Read Parquet metadata (not data) and check the named columns; SpecError on anything unusable."""
+@dataclasses.dataclass(frozen=True)
+class Scan:
+    """What Parquet metadata says about a data set, before any column is chosen."""
+
+    root: str
+    schema: pa.Schema
+    pieces: tuple[Piece, ...]
+    null_counts: dict[str, int]  # top-level column -> nulls per the files' statistics (where written)
+
+    @property
+    def num_rows(self) -> int:
+        return sum(p.num_rows for p in self.pieces)
+
+
+def scan(path: str, key: str = "data") -> Scan:
+    """Files, row groups, schema and null counts from Parquet footers; reads no column data."""
     fs, root = _filesystem(path)
     files = _list_parquet_files(fs, root, key)
     pieces: list[Piece] = []
     schema = None
+    nulls: dict[str, int] = {}
     for rel in files:
         full = _join(root, rel)
         try:
@@ -161,28 +180,82 @@ def describe(path: str, features: list[str], label: str, key: str = "data") -> D
                 file_schema = meta.schema.to_arrow_schema()
         except (pa.ArrowInvalid, OSError) as exc:
             raise SpecError(f"{key}: {full!r} is not a readable Parquet file ({exc})") from None
-        schema = schema or file_schema
-        pieces.extend(Piece(rel, g, meta.row_group(g).num_rows) for g in range(meta.num_row_groups)
-                      if meta.row_group(g).num_rows > 0)
+        if schema is None:
+            schema = file_schema
+        elif not file_schema.equals(schema):
+            different = sorted(set(schema.names) ^ set(file_schema.names)) or [
+                n for n in schema.names if schema.field(n).type != file_schema.field(n).type]
+            raise SpecError(f"{key}: {full!r} has a different schema from the first file (columns {different}); "
+                            f"all files of a data set need one schema")
+        for g in range(meta.num_row_groups):
+            group = meta.row_group(g)
+            if group.num_rows > 0:
+                pieces.append(Piece(rel, g, group.num_rows))
+            for c in range(group.num_columns):
+                column = group.column(c)
+                stats = column.statistics
+                if stats is not None and stats.has_null_count and stats.null_count:
+                    name = column.path_in_schema.split(".")[0]
+                    nulls[name] = nulls.get(name, 0) + stats.null_count
     if not pieces:
         raise SpecError(f"{key}: {path!r} has no rows")
+    return Scan(root=path, schema=schema, pieces=tuple(pieces), null_counts=nulls)
+
+
+def describe(path: str, features: list[str], label: str, key: str = "data",
+             fill_nulls: dict[str, float | str] | None = None) -> DatasetInfo:
+    """Check the named columns against the metadata; SpecError on anything unusable."""
+    fill_nulls = fill_nulls or {}
+    found = scan(path, key)
+    schema = found.schema
     missing = [c for c in [*features, label] if c not in schema.names]
     if missing:
         raise SpecError(f"{key}: column(s) {missing} not in {path!r}; its columns are {schema.names}")
-    columns = {c: _column_info(schema.field(c), key) for c in [*features, label]}
+    columns = {c: dataclasses.replace(_column_info(schema.field(c), key), fill=fill_nulls.get(c))
+               for c in [*features, label]}
+    for c, info in columns.items():
+        if found.null_counts.get(c) and info.fill is None:
+            raise SpecError(f"{key}: column {c!r} has {found.null_counts[c]:,} null values; set "
+                            f"data.fill_nulls: {{{c}: <value>}} or clean the data")
     variable = [c for c, info in columns.items() if info.dim == -1]
     if variable:  # list<float>: every row must have one length; read it off the first row group
-        first = _read_piece(fs, root, pieces[0], variable)
+        fs, root = _filesystem(path)
+        first = _read_piece(fs, root, found.pieces[0], variable)
         for c in variable:
             lengths = pa.compute.list_value_length(first.column(c)).unique().to_pylist()
             if len(lengths) != 1 or lengths[0] is None:
                 raise SpecError(f"{key}: column {c!r} holds lists of lengths {sorted(x for x in lengths if x is not None)}; "
                                 f"a vector feature needs one length in every row")
-            columns[c] = Column(c, "float32", int(lengths[0]))
-    if columns[label].dim is not None:
-        raise SpecError(f"{key}: label {label!r} is a list column; the label must be one number per row")
-    return DatasetInfo(root=path, pieces=tuple(pieces), features=tuple(columns[f] for f in features),
+            columns[c] = dataclasses.replace(columns[c], dim=int(lengths[0]))
+    if columns[label].dim is not None or columns[label].dtype == "string":
+        raise SpecError(f"{key}: label {label!r} has type {schema.field(label).type}; the label must be one number "
+                        f"per row (map string classes to integer ids first)")
+    return DatasetInfo(root=path, pieces=found.pieces, features=tuple(columns[f] for f in features),
                        label=columns[label])
+
+
+def inspect_report(path: str, workers: int = 2) -> str:
+    """`raytf data inspect`: schema, rows, files, row groups and the split over `workers`."""
+    found = scan(path, key=path)
+    files = list(dict.fromkeys(p.file for p in found.pieces))
+    sizes = [p.num_rows for p in found.pieces]
+    lines = [f"{path}: {found.num_rows:,} rows in {len(files)} file(s), {len(sizes)} row group(s) "
+             f"(rows per group: min {min(sizes):,}, max {max(sizes):,})", "", "schema:"]
+    for field in found.schema:
+        try:
+            kind = _column_info(field, path)
+            usable = "string (categorical)" if kind.dtype == "string" else \
+                f"{kind.dtype}" + (f" vector[{kind.dim}]" if kind.dim not in (None, -1) else
+                                   " vector[per-row length]" if kind.dim == -1 else "")
+        except SpecError:
+            usable = "not usable as a tensor"
+        nulls = found.null_counts.get(field.name)
+        lines.append(f"  {field.name}: {field.type} -> {usable}" + (f", {nulls:,} nulls" if nulls else ""))
+    lines += ["", f"split over {workers} worker(s) (every row exactly once):"]
+    for w, shard in enumerate(plan_shards(sizes, workers)):
+        groups = len({s.piece for s in shard})
+        lines.append(f"  worker {w}: {shard_rows(shard):,} rows from {groups} row group(s)")
+    return "\n".join(lines)
 
 
 def _read_piece(fs: pafs.FileSystem, root: str, piece: Piece, columns: list[str]) -> pa.Table:
@@ -239,40 +312,70 @@ def iter_shard(info: DatasetInfo, root: str, shard: list[Slice], read_ahead: int
 
 
 def epoch_chunks(info: DatasetInfo, root: str, shard: list[Slice], epoch_rows: int, shuffle_buffer: int,
-                 seed: int, first_epoch: int = 1) -> Iterator[tuple]:
+                 seed: int, first_epoch: int = 1, pad: bool = False) -> Iterator[tuple]:
     """Endless chunks of rows, exactly `epoch_rows` rows per epoch, epoch after epoch.
 
     Each epoch has its own random generator seeded from (seed, epoch): row groups come in a random
     order and rows are permuted within windows of about `shuffle_buffer` rows. The shard's rows beyond
     `epoch_rows` (the remainder that does not fill a batch) are dropped, different ones each epoch; a
-    shard smaller than `epoch_rows` is read again with a fresh order. Memory: one window plus read-ahead."""
+    shard smaller than `epoch_rows` is read again with a fresh order. With `pad`, every chunk carries
+    a weight column: each row of the shard comes once with weight 1, then weight-0 rows fill the epoch
+    up to `epoch_rows`. Memory: one window plus the read-ahead."""
     import numpy as np
 
     if epoch_rows <= 0:
         raise ValueError(f"epoch_rows must be positive, got {epoch_rows}")
+    if shard_rows(shard) == 0 and not pad:
+        raise ValueError("this worker's shard has no rows; use fewer workers than rows")
+    if pad and shard_rows(shard) > epoch_rows:
+        raise ValueError(f"{epoch_rows} rows per epoch cannot hold the shard's {shard_rows(shard)}")
     epoch = first_epoch
     while True:
         rng = np.random.default_rng([seed, epoch])
+        if pad:
+            for chunk in _shuffled(info, root, shard, shuffle_buffer, rng, shard_rows(shard)):
+                yield (*chunk, np.ones(len(chunk[-1]), np.float32))
+            if epoch_rows > shard_rows(shard):
+                yield _zero_rows(info, epoch_rows - shard_rows(shard))
+            epoch += 1
+            continue
         needed = epoch_rows
-        while needed > 0:
-            order = rng.permutation(len(shard)) if shuffle_buffer > 0 else range(len(shard))
-            window: list[tuple] = []
-            rows = 0
-            for arrays in iter_shard(info, root, [shard[i] for i in order]):
-                window.append(arrays)
-                rows += len(arrays[-1])
-                if rows >= min(shuffle_buffer, needed):
-                    chunk = _permuted(window, rng, shuffle_buffer > 0, limit=needed)
-                    needed -= len(chunk[-1])
-                    yield chunk
-                    window, rows = [], 0
-                    if needed == 0:
-                        break
-            if window and needed > 0:
-                chunk = _permuted(window, rng, shuffle_buffer > 0, limit=needed)
+        while needed > 0:  # a pass over the shard, again while the epoch needs more rows
+            for chunk in _shuffled(info, root, shard, shuffle_buffer, rng, needed):
                 needed -= len(chunk[-1])
                 yield chunk
         epoch += 1
+
+
+def _shuffled(info: DatasetInfo, root: str, shard: list[Slice], shuffle_buffer: int, rng, limit: int) -> Iterator[tuple]:
+    """One pass over the shard, at most `limit` rows: row groups in random order, rows permuted within
+    windows of about `shuffle_buffer` rows (no shuffling when shuffle_buffer is 0)."""
+    order = rng.permutation(len(shard)) if shuffle_buffer > 0 else range(len(shard))
+    window: list[tuple] = []
+    rows = 0
+    for arrays in iter_shard(info, root, [shard[i] for i in order]):
+        window.append(arrays)
+        rows += len(arrays[-1])
+        if rows >= min(shuffle_buffer, limit):
+            chunk = _permuted(window, rng, shuffle_buffer > 0, limit=limit)
+            limit -= len(chunk[-1])
+            yield chunk
+            window, rows = [], 0
+            if limit == 0:
+                return
+    if window:
+        yield _permuted(window, rng, shuffle_buffer > 0, limit=limit)
+
+
+def _zero_rows(info: DatasetInfo, n: int) -> tuple:
+    """n padding rows (zeros, empty strings) with weight 0."""
+    import numpy as np
+
+    zeros = []
+    for c in (*info.features, info.label):
+        shape = (n,) if c.dim is None else (n, c.dim)
+        zeros.append(np.full(shape, b"", dtype=object) if c.dtype == "string" else np.zeros(shape, c.dtype))
+    return (*zeros, np.zeros(n, np.float32))
 
 
 def _permuted(window: list[tuple], rng, shuffle: bool, limit: int) -> tuple:
@@ -310,7 +413,7 @@ def _pack(info: DatasetInfo):
 
 
 def train_dataset(info: DatasetInfo, root: str, shard: list[Slice], batch_size: int, batches_per_epoch: int,
-                  shuffle_buffer: int, seed: int, first_epoch: int = 1):
+                  shuffle_buffer: int, seed: int, first_epoch: int = 1, pad: bool = False):
     """This worker's training batches for all epochs, as one endless dataset: every epoch is exactly
     `batches_per_epoch` batches of `batch_size` rows (see epoch_chunks for the order and the remainder).
     One dataset and one iterator serve the whole run, so no epoch pays for building a pipeline. Chunks
@@ -320,8 +423,8 @@ def train_dataset(info: DatasetInfo, root: str, shard: list[Slice], batch_size: 
 
     epoch_rows = batches_per_epoch * batch_size
     ds = tf.data.Dataset.from_generator(
-        lambda: epoch_chunks(info, root, shard, epoch_rows, shuffle_buffer, seed, first_epoch),
-        output_signature=_signature(info))
+        lambda: epoch_chunks(info, root, shard, epoch_rows, shuffle_buffer, seed, first_epoch, pad),
+        output_signature=_signature(info, weight=pad))
     ds = ds.rebatch(batch_size, drop_remainder=True)
     return ds.map(_pack(info), num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
 
@@ -339,11 +442,7 @@ def padded_chunks(info: DatasetInfo, root: str, shard: list[Slice], total_rows: 
     if pad < 0:
         raise ValueError(f"{total_rows} rows cannot hold the shard's {rows}")
     if pad:
-        zeros = []
-        for c in (*info.features, info.label):
-            shape = (pad,) if c.dim is None else (pad, c.dim)
-            zeros.append(np.full(shape, b"", dtype=object) if c.dtype == "string" else np.zeros(shape, c.dtype))
-        yield (*zeros, np.zeros(pad, np.float32))
+        yield _zero_rows(info, pad)
 
 
 def eval_dataset(info: DatasetInfo, root: str, shard: list[Slice], batch_size: int, steps: int,

@@ -30,6 +30,10 @@ class DataSpec(_Strict):
     validation: str | None = None
     features: list[str] = Field(min_length=1)
     label: str
+    # Rows that do not fill the last global batch of an epoch: "drop" them (different ones each epoch,
+    # as the order is reshuffled), or "pad" the batch with weight-0 rows so every row counts every epoch.
+    remainder: Literal["drop", "pad"] = "drop"
+    fill_nulls: dict[str, Union[float, int, str]] = Field(default_factory=dict)  # column -> value for nulls
 
 
 class LossSpec(_Strict):
@@ -112,6 +116,13 @@ class JobSpec(_Strict):
             if self.dataset_fn is not None and self.train.steps_per_epoch is None:
                 raise ValueError("train.steps_per_epoch: required with dataset_fn, so every worker runs the same "
                                  "number of steps; e.g. train.steps_per_epoch: 100")
+        if self.data is not None:
+            unknown = sorted(set(self.data.fill_nulls) - {*self.data.features, self.data.label})
+            if unknown:
+                raise ValueError(f"data.fill_nulls: {unknown} are not among data.features or data.label")
+            if self.data.remainder == "pad" and self.train.steps_per_epoch is not None:
+                raise ValueError("data.remainder: pad reads every row once per epoch, so train.steps_per_epoch "
+                                 "must be null (or use remainder: drop)")
         replicas = self.cluster.replicas
         batch = self.train.global_batch_size
         if batch % replicas:
@@ -293,7 +304,7 @@ def load(source: "str | Path | Mapping[str, Any] | JobSpec | Job",
             path = getattr(spec.data, split)
             if path is not None:
                 job.datasets[split] = data.describe(job.data_path(path), spec.data.features, spec.data.label,
-                                                    key=f"data.{split}")
+                                                    key=f"data.{split}", fill_nulls=spec.data.fill_nulls)
     return job
 
 

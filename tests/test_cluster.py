@@ -102,6 +102,22 @@ def test_asking_for_more_gpus_than_exist_exits_3_within_the_timeout(cluster, job
     assert_nothing_left()
 
 
+def test_a_multi_file_directory_is_read_exactly_once_per_epoch_with_pad(cluster, job_dir):
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(job_dir / "data" / "digits-train.parquet")
+    parts = job_dir / "parts"
+    parts.mkdir()
+    for i, (start, stop, group) in enumerate([(0, 100, 30), (100, 1000, 256), (1000, 1437, 77)]):
+        pq.write_table(table.slice(start, stop - start), parts / f"part-{i}.parquet", row_group_size=group)
+    spec = base_spec(data={"train": "parts", "remainder": "pad"}, train={"epochs": 2, "global_batch_size": 64})
+    result = raytf.fit(write_job(job_dir, spec))
+    assert [h["examples"] for h in result.history] == [1437, 1437]  # every row, once, each epoch
+    assert [h["step"] for h in result.history] == [23, 46]  # ceil(719 rows / 32 per worker) steps per epoch
+    assert len({t["weights_digest"] for t in result.tasks}) == 1
+    assert_nothing_left()
+
+
 class PortThiefGroup(WorkerGroup):
     """Steals rank 1's port between the rendezvous and TensorFlow's bind, once."""
 

@@ -2,6 +2,7 @@
 pipeline yields exactly the planned rows."""
 import itertools
 import random
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -71,10 +72,12 @@ def test_describe_reads_row_groups_and_column_types_from_metadata(dataset_dir):
 @pytest.mark.parametrize("path,features,label,message", [
     ("missing", ["x"], "y", "does not exist"),
     ("ds", ["nope"], "y", "column(s) ['nope'] not in"),
-    ("ds", ["x"], "vec", "label 'vec' is a list column"),
+    ("ds", ["x"], "vec", "label 'vec' has type fixed_size_list"),
+    ("ds/part-*.parquet", ["x"], "nope", "column(s) ['nope'] not in"),
+    ("ds/none-*.parquet", ["x"], "y", "matches no files"),
 ])
 def test_bad_data_is_a_spec_error_naming_the_problem(tmp_path, dataset_dir, path, features, label, message):
-    with pytest.raises(SpecError, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(SpecError, match=re.escape(message)):
         data.describe(str(tmp_path / path), features, label)
 
 
@@ -82,9 +85,9 @@ def test_empty_and_unconvertible_data_are_spec_errors(tmp_path):
     pq.write_table(pa.table({"x": pa.array([], pa.float32()), "y": pa.array([], pa.int64())}), tmp_path / "empty.parquet")
     with pytest.raises(SpecError, match="has no rows"):
         data.describe(str(tmp_path / "empty.parquet"), ["x"], "y")
-    pq.write_table(pa.table({"s": ["a", "b"], "y": [0, 1]}), tmp_path / "str.parquet")
-    with pytest.raises(SpecError, match="column 's' has type string"):
-        data.describe(str(tmp_path / "str.parquet"), ["s"], "y")
+    pq.write_table(pa.table({"s": pa.array([{"a": 1}, {"a": 2}]), "y": [0, 1]}), tmp_path / "struct.parquet")
+    with pytest.raises(SpecError, match="column 's' has type struct"):
+        data.describe(str(tmp_path / "struct.parquet"), ["s"], "y")
     (tmp_path / "junk.parquet").write_text("not parquet")
     with pytest.raises(SpecError, match="not a readable Parquet file"):
         data.describe(str(tmp_path / "junk.parquet"), ["x"], "y")
@@ -137,3 +140,64 @@ def test_an_epoch_longer_than_the_shard_rereads_it(dataset_dir, shuffle_buffer):
 def test_nulls_are_reported_with_the_column_name():
     with pytest.raises(ValueError, match="column 'x' has 1 null"):
         data.to_numpy(pa.array([1.0, None]), data.Column("x", "float32", None))
+
+
+def test_globs_and_file_uris_find_the_same_rows(dataset_dir):
+    by_dir = data.describe(str(dataset_dir), ["x"], "y")
+    by_glob = data.describe(str(dataset_dir / "part-*.parquet"), ["x"], "y")
+    by_uri = data.describe(f"file://{dataset_dir}", ["x"], "y")
+    assert by_dir.num_rows == by_glob.num_rows == by_uri.num_rows == 38
+    assert len(by_glob.pieces) == len(by_uri.pieces) == 8
+
+
+def test_files_with_different_schemas_are_refused(tmp_path):
+    pq.write_table(pa.table({"x": [1.0], "y": [0]}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"x": [1.0], "z": [0]}), tmp_path / "b.parquet")
+    with pytest.raises(SpecError, match=r"different schema .* \['y', 'z'\]"):
+        data.describe(str(tmp_path), ["x"], "y")
+
+
+@pytest.fixture
+def criteo_dir(tmp_path):
+    from raytf.synthetic import criteo_like
+
+    return criteo_like(tmp_path / "criteo", rows=3000, files=3, row_group_size=500)
+
+
+def test_nulls_are_found_from_metadata_before_training_and_filled_when_asked(criteo_dir):
+    with pytest.raises(SpecError, match=r"column 'I1' has [\d,]+ null values; set data.fill_nulls: \{I1: <value>\}"):
+        data.describe(str(criteo_dir), ["I1", "C1"], "label")
+    info = data.describe(str(criteo_dir), ["I1", "C1"], "label", fill_nulls={"I1": -1})
+    assert info.features[0].fill == -1 and info.features[1].dtype == "string"
+    shard = data.plan_shards([p.num_rows for p in info.pieces], 1)[0]
+    i1, c1, label = (np.concatenate(parts) for parts in zip(*data.iter_shard(info, str(criteo_dir), shard)))
+    assert len(i1) == 3000 and (i1 == -1).sum() > 50  # ~5% nulls, now -1
+    assert c1.dtype == object and all(len(v) == 8 for v in c1[:20])  # hashed 8-hex-digit categories
+    assert set(np.unique(label)) == {0, 1}
+
+
+def test_strings_reach_tensorflow_as_tf_string(criteo_dir):
+    import tensorflow as tf
+
+    info = data.describe(str(criteo_dir), ["C1", "C2"], "label")
+    shard = data.plan_shards([p.num_rows for p in info.pieces], 2)[0]
+    x, y = next(iter(data.train_dataset(info, str(criteo_dir), shard, 32, 4, shuffle_buffer=100, seed=0)))
+    assert x["C1"].dtype == tf.string and x["C1"].shape == (32,) and y.shape == (32,)
+
+
+def test_pad_mode_gives_every_row_once_per_epoch_with_weights(dataset_dir):
+    info = data.describe(str(dataset_dir), ["x"], "y")
+    shard = data.plan_shards([p.num_rows for p in info.pieces], 2)[0]  # 19 rows
+    ds = data.train_dataset(info, str(dataset_dir), shard, 4, 5, shuffle_buffer=100, seed=3, pad=True)
+    batches = list(ds.take(10))  # two epochs of 5 batches
+    for epoch in (batches[:5], batches[5:]):
+        y = np.concatenate([b[1].numpy() for b in epoch])
+        w = np.concatenate([b[2].numpy() for b in epoch])
+        assert sorted(y[w > 0].tolist()) == list(range(19)) and (w == 0).sum() == 1
+
+
+def test_inspect_report_shows_schema_rows_and_the_split(criteo_dir):
+    report = data.inspect_report(str(criteo_dir), workers=4)
+    assert "3,000 rows in 3 file(s), 6 row group(s)" in report
+    assert "C1: string -> string (categorical)" in report and "I1: int64 -> int64" in report and "nulls" in report
+    assert report.count("750 rows") == 4

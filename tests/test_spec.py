@@ -54,6 +54,13 @@ def test_dataset_fn_needs_steps_per_epoch_and_excludes_data():
     assert "train.steps_per_epoch: required with dataset_fn" in error_of(spec)
 
 
+def test_data_options_are_checked():
+    assert "['nope'] are not among data.features" in error_of(base_spec(data={"fill_nulls": {"nope": 0}}))
+    assert "remainder: pad reads every row" in error_of(base_spec(data={"remainder": "pad"},
+                                                                  train={"steps_per_epoch": 3}))
+    assert "'keep' is not one of" in error_of(base_spec(data={"remainder": "keep"}))
+
+
 def test_parameter_server_is_refused_for_now():
     assert "not available yet" in error_of(base_spec(strategy="parameter_server"))
 

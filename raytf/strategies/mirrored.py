@@ -105,12 +105,15 @@ class _Plan:
             self.steps, self.val_steps = spec.train.steps_per_epoch, 0
             return
         rows = payload.train_data.num_rows
+        self.train_shards = data.plan_shards([p.num_rows for p in payload.train_data.pieces], world_size)
+        self.pad = spec.data.remainder == "pad"
         full = rows // global_batch
+        if self.pad:  # every row once per epoch: enough batches for the largest shard, padded
+            full = math.ceil(max(data.shard_rows(s) for s in self.train_shards) / per_worker)
         if full == 0 and spec.train.steps_per_epoch is None:
             raise ValueError(f"data.train has {rows} rows, fewer than one global batch of {global_batch}; "
-                             f"lower train.global_batch_size")
+                             f"lower train.global_batch_size or use data.remainder: pad")
         self.steps = spec.train.steps_per_epoch or full
-        self.train_shards = data.plan_shards([p.num_rows for p in payload.train_data.pieces], world_size)
         self.val_steps = 0
         if payload.val_data is not None:
             self.val_shards = data.plan_shards([p.num_rows for p in payload.val_data.pieces], world_size)
@@ -123,7 +126,7 @@ class _Plan:
         def dataset_fn(input_context: tf.distribute.InputContext):
             shard = self.train_shards[input_context.input_pipeline_id]
             return data.train_dataset(p.train_data, p.train_root, shard, self.per_replica,
-                                      self.steps * self.local_replicas, self.shuffle_buffer, seed)
+                                      self.steps * self.local_replicas, self.shuffle_buffer, seed, pad=self.pad)
 
         return dataset_fn
 

@@ -118,21 +118,23 @@ def make_step_functions(strategy: tf.distribute.Strategy, model: keras.Model, op
     def _model_losses():
         return tf.add_n(model.losses) if model.losses else 0.0
 
-    def train_replica(x, y):
+    def train_replica(x, y, weight=None):
         with tf.GradientTape() as tape:
             pred = model(x, training=True)
             per_example = loss_fn(y, pred)
+            if weight is not None:  # padding rows (data.remainder: pad) weigh 0
+                per_example = per_example * tf.cast(weight, per_example.dtype)
             loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch_size)
             if model.losses:
                 loss += tf.nn.scale_regularization_loss(_model_losses())
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return train_acc.delta(y, pred, per_example)
+        return train_acc.delta(y, pred, per_example, weight)
 
     @tf.function
     def train(iterator):
-        x, y = next(iterator)
-        deltas = strategy.experimental_local_results(strategy.run(train_replica, args=(x, y)))
+        batch = next(iterator)  # (x, y) or (x, y, weight)
+        deltas = strategy.experimental_local_results(strategy.run(train_replica, args=batch))
         step = tf.add_n(list(deltas))
         train_acc.total.assign_add(step)
         return step[0] / tf.maximum(step[1], 1.0)

@@ -1,0 +1,191 @@
+"""Rows/s delivered to a training step by one worker, side by side in one run, on the same Parquet files:
+the in-memory ceiling (`from_tensor_slices` on arrays already in memory), raytf's Parquet pipeline
+(with and without shuffling), Ray Data `to_tf` and Ray Data `iter_tf_batches`. Then raytf's peak memory
+while streaming a data set several times larger than its shuffle buffer.
+
+    pip install -e . && python benchmarks/bench_ingest.py [--rows 400000] [--reps 3]
+
+The "training step" is a tf.function that reduces the batch, so the figure is what an input pipeline
+can feed, not what a model can eat. One process, batch 256, 16 float32 feature columns + an int64 label.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+BATCH = 256
+WIDTH = 16
+
+
+def make_data(folder: Path, rows: int, files: int = 4) -> list[str]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(0)
+    names = []
+    for i in range(files):
+        n = rows // files
+        x = rng.normal(size=(n, WIDTH)).astype(np.float32)
+        table = pa.table({**{f"x{j}": x[:, j] for j in range(WIDTH)}, "label": (x[:, 0] > 0).astype(np.int64)})
+        path = folder / f"part-{i}.parquet"
+        pq.write_table(table, path, row_group_size=32_768)
+        names.append(str(path))
+    return names
+
+
+def consume(dataset, limit_batches: int | None = None) -> tuple[int, float]:
+    """Feed every batch to a trivial compiled step; returns (rows, seconds)."""
+    import tensorflow as tf
+
+    @tf.function
+    def step(x, y):
+        return tf.add_n([tf.reduce_sum(v) for v in tf.nest.flatten(x)]) + tf.cast(tf.reduce_sum(y), tf.float32)
+
+    rows = 0
+    started = time.perf_counter()
+    for i, (x, y) in enumerate(dataset):
+        step(x, y)
+        rows += int(y.shape[0])
+        if limit_batches and i + 1 >= limit_batches:
+            break
+    return rows, time.perf_counter() - started
+
+
+def ceiling(folder: Path) -> float:
+    import pyarrow.parquet as pq
+    import tensorflow as tf
+
+    table = pq.read_table(folder)
+    x = {f"x{j}": table.column(f"x{j}").to_numpy() for j in range(WIDTH)}
+    y = table.column("label").to_numpy()
+    rows, seconds = consume(tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH, drop_remainder=True)
+                            .prefetch(tf.data.AUTOTUNE))
+    return rows / seconds
+
+
+def raytf_pipeline(folder: Path, shuffle_buffer: int) -> float:
+    from raytf import data
+
+    info = data.describe(str(folder), [f"x{j}" for j in range(WIDTH)], "label")
+    shard = data.plan_shards([p.num_rows for p in info.pieces], 1)[0]
+    steps = info.num_rows // BATCH
+    ds = data.train_dataset(info, str(folder), shard, BATCH, steps, shuffle_buffer, seed=0).take(steps)
+    rows, seconds = consume(ds)
+    return rows / seconds
+
+
+def ray_data_to_tf(folder: Path) -> float:
+    import ray
+
+    ds = ray.data.read_parquet(str(folder))
+    tf_ds = ds.to_tf(feature_columns=[f"x{j}" for j in range(WIDTH)], label_columns="label", batch_size=BATCH,
+                     drop_last=True)
+    rows, seconds = consume(tf_ds)
+    return rows / seconds
+
+
+def ray_data_iter_tf_batches(folder: Path) -> float:
+    import ray
+    import tensorflow as tf
+
+    ds = ray.data.read_parquet(str(folder))
+
+    def batches():
+        for b in ds.iter_tf_batches(batch_size=BATCH, drop_last=True):
+            yield {f"x{j}": b[f"x{j}"] for j in range(WIDTH)}, b["label"]
+
+    return _rate(batches(), tf)
+
+
+def _rate(iterable, tf) -> float:
+    rows, seconds = consume(iterable)
+    return rows / seconds
+
+
+PEAK_SCRIPT = """
+import json, resource, sys
+import tensorflow as tf
+from raytf import data
+folder, shuffle_buffer = sys.argv[1], int(sys.argv[2])
+info = data.describe(folder, ["x%d" % j for j in range(16)], "label")
+shard = data.plan_shards([p.num_rows for p in info.pieces], 1)[0]
+steps = info.num_rows // 256
+ds = data.train_dataset(info, folder, shard, 256, steps, shuffle_buffer, seed=0).take(steps)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+n = 0
+for x, y in ds:
+    n += int(y.shape[0])
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"rows": n, "peak_mib": after / 1024, "before_mib": before / 1024}))
+"""
+
+
+def peak_memory(folder: Path, shuffle_buffer: int) -> dict:
+    out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(folder), str(shuffle_buffer)],
+                         capture_output=True, text=True, timeout=900,
+                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    if out.returncode:
+        raise RuntimeError(out.stderr[-2000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=400_000)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--memory-rows", type=int, default=4_000_000)
+    parser.add_argument("--skip-ray-data", action="store_true")
+    args = parser.parse_args()
+
+    import ray
+
+    work = Path(tempfile.mkdtemp(prefix="raytf-ingest-"))
+    folder = work / "table"
+    folder.mkdir()
+    make_data(folder, args.rows)
+    ways = {
+        "in-memory ceiling (from_tensor_slices)": lambda: ceiling(folder),
+        "raytf Parquet (shuffle_buffer 10000)": lambda: raytf_pipeline(folder, 10_000),
+        "raytf Parquet (no shuffle)": lambda: raytf_pipeline(folder, 0),
+    }
+    if not args.skip_ray_data:
+        ray.init(include_dashboard=False, log_to_driver=False, num_cpus=os.cpu_count())
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        ways["Ray Data to_tf"] = lambda: ray_data_to_tf(folder)
+        ways["Ray Data iter_tf_batches"] = lambda: ray_data_iter_tf_batches(folder)
+    rates: dict[str, list[float]] = {name: [] for name in ways}
+    for rep in range(args.reps):  # interleaved reps: machine drift hits every way alike
+        for name, fn in ways.items():
+            rates[name].append(fn())
+        print(f"rep {rep + 1}: " + ", ".join(f"{k}: {v[-1]:,.0f}" for k, v in rates.items()), flush=True)
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    top = med["in-memory ceiling (from_tensor_slices)"]
+    base = med.get("Ray Data to_tf")
+    print(f"\n{args.rows:,} rows x {WIDTH} float32 in 4 files (row groups of 32,768), batch {BATCH}, one process, "
+          f"median of {args.reps}, {os.cpu_count()} CPUs\n")
+    print("| pipeline | rows/s | vs ceiling | vs Ray Data to_tf |\n|---|---:|---:|---:|")
+    for name, rate in med.items():
+        print(f"| {name} | {rate:,.0f} | {rate / top:.2f}x | {(f'{rate / base:.1f}x' if base else '-')} |")
+
+    big = work / "big"
+    big.mkdir()
+    make_data(big, args.memory_rows, files=8)
+    table_mib = args.memory_rows * (WIDTH * 4 + 8) / 2**20
+    print(f"\nPeak memory streaming {args.memory_rows:,} rows ({table_mib:,.0f} MiB as arrays) through raytf:")
+    print("| shuffle_buffer | peak RSS (MiB) | RSS before iterating (MiB) | growth (MiB) |\n|---:|---:|---:|---:|")
+    for buffer in (10_000, 100_000):
+        m = peak_memory(big, buffer)
+        print(f"| {buffer:,} | {m['peak_mib']:,.0f} | {m['before_mib']:,.0f} | {m['peak_mib'] - m['before_mib']:,.0f} |")
+
+
+if __name__ == "__main__":
+    main()
