@@ -45,5 +45,125 @@ def run(job_file: str, address: str | None, settings: tuple[str, ...], quiet: bo
     click.echo(f"raytf: result {result.output_dir}/result.json, model {result.model_path}")
 
 
+# ---------------------------------------------------------------- the Ray Jobs API: submit, status, logs, stop
+# Extra exit codes of these commands: 4 the job was stopped, 5 the Jobs API could not be reached or
+# refused the token. `submit` and `logs --follow` exit with the job's own code (0, 1, 2, 3, 130).
+
+_ADDRESS_HELP = ("The Ray Jobs API (the head's dashboard URL). Default: RAY_API_SERVER_ADDRESS, RAY_ADDRESS, "
+                 "else http://127.0.0.1:8265 (where `ray dashboard cluster.yaml` forwards it).")
+
+
+def _jobs_command(body) -> None:
+    """Run a Jobs API command body; RaytfErrors become one line and their exit code."""
+    try:
+        code = body()
+    except RaytfError as exc:
+        click.echo(f"raytf: error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    sys.exit(code or 0)
+
+
+def _follow_to_end(jobs, job_id: str) -> int:
+    from raytf import submit as jobs_api
+
+    try:
+        info = jobs.follow(job_id, note=lambda text: click.echo(text, err=True))
+    except KeyboardInterrupt:
+        click.echo(f"raytf: stopped following; job {job_id} keeps running "
+                   f"(`raytf stop {job_id} --address {jobs.address}` stops it)", err=True)
+        return 130
+    click.echo(jobs_api.describe(job_id, info), err=True)
+    return jobs_api.exit_code(info)
+
+
+@main.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@click.option("--address", default=None, help=_ADDRESS_HELP)
+@click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
+              help="Override a spec key, e.g. --set train.epochs=3 (repeatable); passed on to `raytf run`.")
+@click.option("--no-wait", is_flag=True, help="Print the submission id and return at once.")
+def submit(job_file: str, address: str | None, settings: tuple[str, ...], no_wait: bool) -> None:
+    """Submit JOB_FILE to a Ray cluster through the Jobs API, follow its logs, exit with its status.
+
+    The job file's folder is uploaded as the job's working directory, and the cluster runs
+    `raytf run JOB_FILE` there. Ctrl-C stops following, not the job."""
+    from raytf import submit as jobs_api
+
+    def body() -> int:
+        sub = jobs_api.prepare(job_file, settings)  # a bad spec fails here, before any network
+        jobs = jobs_api.Jobs(address)
+        job_id = jobs.submit(sub)
+        click.echo(f"raytf: submitted {job_id} to {jobs.address} (working directory {sub.job_dir})", err=True)
+        if no_wait:
+            click.echo(job_id)
+            click.echo(f"raytf: follow with `raytf logs {job_id} --follow --address {jobs.address}`", err=True)
+            return 0
+        click.echo(f"raytf: following its logs; Ctrl-C stops following, "
+                   f"`raytf stop {job_id} --address {jobs.address}` stops the job", err=True)
+        return _follow_to_end(jobs, job_id)
+
+    _jobs_command(body)
+
+
+@main.command()
+@click.argument("job_id")
+@click.option("--address", default=None, help=_ADDRESS_HELP)
+def status(job_id: str, address: str | None) -> None:
+    """Show a submitted job's status (and, if it failed, why)."""
+    from raytf import submit as jobs_api
+
+    def body() -> int:
+        import time
+
+        info = jobs_api.Jobs(address).info(job_id)
+        click.echo(jobs_api.describe(job_id, info))
+        click.echo(f"  entrypoint: {info.entrypoint}")
+        if info.start_time:
+            end = (info.end_time or time.time() * 1000) / 1000
+            click.echo(f"  started {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(info.start_time / 1000))}, "
+                       f"{'ran' if info.end_time else 'running for'} {end - info.start_time / 1000:.0f}s")
+        return 0
+
+    _jobs_command(body)
+
+
+@main.command()
+@click.argument("job_id")
+@click.option("--address", default=None, help=_ADDRESS_HELP)
+@click.option("--follow", "-f", is_flag=True, help="Follow the logs until the job ends; exit with its status.")
+def logs(job_id: str, address: str | None, follow: bool) -> None:
+    """Print a submitted job's logs."""
+    from raytf import submit as jobs_api
+
+    def body() -> int:
+        jobs = jobs_api.Jobs(address)
+        if follow:
+            return _follow_to_end(jobs, job_id)
+        click.echo(jobs.logs(job_id), nl=False)
+        return 0
+
+    _jobs_command(body)
+
+
+@main.command()
+@click.argument("job_id")
+@click.option("--address", default=None, help=_ADDRESS_HELP)
+@click.option("--timeout", "timeout_s", default=60.0, show_default=True, metavar="SECONDS",
+              help="How long to wait for the job to end after the stop request.")
+def stop(job_id: str, address: str | None, timeout_s: float) -> None:
+    """Stop a submitted job; Ray frees its actors and placement group when its driver ends."""
+    from raytf import submit as jobs_api
+
+    def body() -> int:
+        info, stopped = jobs_api.Jobs(address).stop(job_id, timeout_s)
+        if not stopped:
+            click.echo(f"raytf: job {job_id} had already ended: {info.status}")
+            return 0
+        click.echo(jobs_api.describe(job_id, info))
+        return 0
+
+    _jobs_command(body)
+
+
 if __name__ == "__main__":
     main()

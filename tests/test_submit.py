@@ -1,0 +1,240 @@
+"""`raytf submit | status | logs | stop` against a real `ray start --head` with its dashboard (the Jobs API)
+and Ray token authentication on, as on a cluster made by `ray up cluster.yaml`."""
+import json
+import re
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from raytf import submit as jobs_api
+from tests.conftest import REPO, base_spec, write_job
+from tests.ray_head import Head, free_port, group_alive, start_head, stop_head
+
+pytestmark = pytest.mark.timeout(60)  # the tests that start jobs say how long they may take
+
+
+@pytest.fixture(scope="module")
+def head():
+    h, proc, _ = start_head(["--num-cpus=3", "--num-gpus=2"])
+    yield h
+    stop_head(proc, h)
+    assert not group_alive(proc.pid), "the Ray head's processes outlived the test module"
+
+
+def cli(head: Head, *args, timeout=240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "raytf.cli", *args], env=head.env, capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO)
+
+
+STATE_QUERY = textwrap.dedent('''
+    import json, sys, time
+    from ray.util.state import list_actors, list_placement_groups
+
+    address, want, deadline = sys.argv[1], sys.argv[2], time.time() + float(sys.argv[3])
+    while True:
+        actors = list_actors(address=address, filters=[("class_name", "=", "TaskActor")], limit=1000,
+                             raise_on_missing_output=False)
+        alive = sum(a.state == "ALIVE" for a in actors)
+        groups = [g.state for g in list_placement_groups(address=address, raise_on_missing_output=False)
+                  if g.state != "REMOVED"]
+        done = alive >= 2 if want == "running" else (alive == 0 and not groups)
+        if done or time.time() > deadline:
+            print(json.dumps({"alive_task_actors": alive, "live_placement_groups": groups}))
+            sys.exit(0 if done else 1)
+        time.sleep(1)
+''')
+
+
+def wait_for_actors(head: Head, want: str, deadline_s: float) -> dict:
+    """Poll Ray's state API until raytf's actors are running ('running') or all gone ('gone')."""
+    proc = subprocess.run([sys.executable, "-c", STATE_QUERY, head.address, want, str(deadline_s)], env=head.env,
+                          capture_output=True, text=True, timeout=deadline_s + 60)
+    assert proc.returncode == 0, f"actors not {want} after {deadline_s}s: {proc.stdout} {proc.stderr[-2000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def submission_id(proc: subprocess.CompletedProcess) -> str:
+    match = re.search(r"raytf: submitted (raytf-t-[0-9a-f]{8}) to ", proc.stderr)
+    assert match, proc.stderr[-3000:]
+    return match.group(1)
+
+
+# ---------------------------------------------------------------- against the cluster
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(360)
+def test_submit_runs_a_two_worker_job_to_success_and_exits_0(head, job_dir):
+    out = job_dir / "out"  # same machine as the head: the driver's result is readable here
+    path = write_job(job_dir, base_spec(output={"dir": str(out)}))
+    proc = cli(head, "submit", str(path), "--address", head.address, "--set", "train.epochs=1")
+
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    job_id = submission_id(proc)
+    assert "raytf: t succeeded" in proc.stdout  # the driver's own lines, followed live
+    assert "epoch 1 done" in proc.stdout
+    assert proc.stderr.strip().splitlines()[-1] == f"raytf: job {job_id} SUCCEEDED"
+
+    result = json.loads((out / "result.json").read_text())
+    assert result["status"] == "succeeded" and len(result["history"]) == 1  # --set reached the cluster
+    assert [t["rank"] for t in result["tasks"]] == [0, 1]
+    assert len({t["weights_digest"] for t in result["tasks"]}) == 1
+
+    status = cli(head, "status", job_id, "--address", head.address, timeout=60)
+    assert status.returncode == 0 and status.stdout.startswith(f"raytf: job {job_id} SUCCEEDED"), status.stderr
+    assert f"entrypoint: raytf run job.yaml --set train.epochs=1" in status.stdout
+    logs = cli(head, "logs", job_id, "--address", head.address, timeout=60)
+    assert logs.returncode == 0 and "raytf: t succeeded" in logs.stdout
+    wait_for_actors(head, "gone", 30)
+
+
+FAILING_MODEL = textwrap.dedent('''
+    import json, os
+    from tmodel import build_model as _build
+
+    def build_model():
+        if json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 1:
+            raise ValueError("boom on rank 1")
+        return _build()
+''')
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(360)
+def test_a_failing_job_makes_submit_exit_1_with_the_cause(head, job_dir):
+    (job_dir / "failing.py").write_text(FAILING_MODEL)
+    path = write_job(job_dir, base_spec(model="failing:build_model", train={"epochs": 1}))
+    proc = cli(head, "submit", str(path), "--address", head.address)
+
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    job_id = submission_id(proc)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"raytf: job {job_id} FAILED (exit code 1): training failed: rank(s) 1: "
+                           f"ValueError: boom on rank 1"), last
+    status = cli(head, "status", job_id, "--address", head.address, timeout=60)
+    assert "boom on rank 1" in status.stdout
+    wait_for_actors(head, "gone", 30)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case, code, says", [
+    ("bad spec", 2, "model: module 'nosuchmodule' not found"),
+    ("no resources", 3, "asked for 2 bundles of {CPU: 0.5, GPU: 2}"),
+])
+def test_the_drivers_exit_code_reaches_the_submitter(head, job_dir, case, code, says):
+    if case == "bad spec":  # well-formed, so it passes the local check; the cluster finds the module missing
+        spec = base_spec(model="nosuchmodule:build_model")
+    else:  # 4 GPUs asked of a 2-GPU cluster
+        spec = base_spec(cluster={"workers": 2, "cpus_per_worker": 0.5, "gpus_per_worker": 2, "reserve_timeout_s": 2},
+                         train={"global_batch_size": 64})
+    proc = cli(head, "submit", str(write_job(job_dir, spec)), "--address", head.address)
+    assert proc.returncode == code, proc.stdout[-3000:] + proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert f"FAILED (exit code {code}): " in last and says in last, last
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(360)
+def test_stop_ends_a_running_job_and_frees_its_actors(head, job_dir):
+    path = write_job(job_dir, base_spec(train={"epochs": 1000}))
+    proc = cli(head, "submit", str(path), "--address", head.address, "--no-wait", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    job_id = proc.stdout.strip()
+    assert job_id == submission_id(proc)
+
+    running = wait_for_actors(head, "running", 180)
+    assert running["alive_task_actors"] == 2 and running["live_placement_groups"] == ["CREATED"]
+    assert "RUNNING" in cli(head, "status", job_id, "--address", head.address, timeout=60).stdout
+
+    started = time.time()
+    stopped = cli(head, "stop", job_id, "--address", head.address, timeout=120)
+    assert stopped.returncode == 0, stopped.stderr
+    assert stopped.stdout.strip().startswith(f"raytf: job {job_id} STOPPED"), stopped.stdout
+    gone = wait_for_actors(head, "gone", 60)
+    assert gone == {"alive_task_actors": 0, "live_placement_groups": []}
+    assert time.time() - started < 90
+
+    again = cli(head, "stop", job_id, "--address", head.address, timeout=60)
+    assert again.returncode == 0 and "had already ended: STOPPED" in again.stdout
+    follow = cli(head, "logs", job_id, "--follow", "--address", head.address, timeout=60)
+    assert follow.returncode == jobs_api.EXIT_STOPPED, follow.stderr
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_without_the_token_the_error_says_how_to_send_it(head):
+    env = {k: v for k, v in head.env.items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
+    proc = subprocess.run([sys.executable, "-m", "raytf.cli", "status", "raytf-t-00000000", "--address", head.address],
+                          env=env, capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == jobs_api.EXIT_UNREACHABLE
+    assert "requires token authentication" in proc.stderr and "export RAY_AUTH_MODE=token" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    wrong = {**head.env, "RAY_AUTH_TOKEN": "0" * 64}
+    proc = subprocess.run([sys.executable, "-m", "raytf.cli", "status", "raytf-t-00000000", "--address", head.address],
+                          env=wrong, capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == jobs_api.EXIT_UNREACHABLE and "refused raytf's token" in proc.stderr
+    missing = cli(head, "status", "raytf-t-00000000", "--address", head.address, timeout=60)
+    assert missing.returncode == 1 and "no job 'raytf-t-00000000'" in missing.stderr
+
+
+# ---------------------------------------------------------------- no cluster needed
+
+
+@pytest.mark.timeout(60)
+def test_an_unreachable_address_is_one_line_and_exit_5(job_dir):
+    path = write_job(job_dir, base_spec())
+    started = time.time()
+    proc = subprocess.run([sys.executable, "-m", "raytf.cli", "submit", str(path), "--address",
+                           f"http://127.0.0.1:{free_port()}"], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == jobs_api.EXIT_UNREACHABLE
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot reach the Ray Jobs API at http://127.0.0.1:" in lines[0], proc.stderr
+    assert "connection refused" in lines[0] and "ray dashboard cluster.yaml" in lines[0]
+    assert time.time() - started < 30
+
+
+@pytest.mark.timeout(60)
+def test_a_malformed_spec_fails_before_any_network(job_dir):
+    path = write_job(job_dir, base_spec(train={"epochs": 0}))
+    proc = subprocess.run([sys.executable, "-m", "raytf.cli", "submit", str(path), "--address", "http://192.0.2.1:9"],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 2, proc.stderr
+    assert "train.epochs" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_prepare_builds_the_entrypoint_and_ships_the_job_folder_without_old_results(job_dir):
+    path = write_job(job_dir, base_spec(), name="my job.yaml")
+    sub = jobs_api.prepare(path, ["train.epochs=3", "optimizer.name=sgd w"])
+    assert sub.entrypoint == "raytf run 'my job.yaml' --set train.epochs=3 --set 'optimizer.name=sgd w'"
+    assert sub.runtime_env["working_dir"] == str(job_dir)
+    assert "/runs/t" in sub.runtime_env["excludes"]  # output.dir default: runs/<name> in the job folder
+    assert re.fullmatch(r"raytf-t-[0-9a-f]{8}", sub.submission_id)
+    assert "py_modules" not in sub.runtime_env  # tmodel.py is in the job folder
+
+
+@pytest.mark.parametrize("status, driver_code, expected", [
+    ("SUCCEEDED", 0, 0), ("FAILED", 1, 1), ("FAILED", 2, 2), ("FAILED", 3, 3), ("FAILED", None, 1),
+    ("FAILED", -9, 137), ("STOPPED", None, jobs_api.EXIT_STOPPED),
+])
+def test_exit_code_follows_the_driver(status, driver_code, expected):
+    from ray.job_submission import JobDetails
+
+    info = JobDetails(type="SUBMISSION", status=status, entrypoint="raytf run job.yaml", driver_exit_code=driver_code,
+                      message="Job entrypoint command failed with exit code 2, last available logs (truncated to "
+                              "20,000 chars):\nraytf: error: data.train: no such file\n")
+    assert jobs_api.exit_code(info) == expected
+    if status == "FAILED":
+        assert jobs_api.cause(info) == "data.train: no such file"
+
+
+def test_an_explicit_address_beats_ray_address(monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "http://10.0.0.1:8265")
+    monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
+    assert jobs_api.resolve_address("127.0.0.1:9000") == "http://127.0.0.1:9000"
+    assert jobs_api.resolve_address(None) == "http://10.0.0.1:8265"
+    monkeypatch.delenv("RAY_ADDRESS")
+    assert jobs_api.resolve_address(None) == jobs_api.DEFAULT_ADDRESS
