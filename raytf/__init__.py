@@ -15,13 +15,15 @@ __version__ = "0.1.0"
 
 
 def fit(spec_or_path: "str | Mapping[str, Any] | JobSpec | Job", overrides: Mapping[str, Any] | None = None, *,
-        address: str | None = None, display: ProgressDisplay | None = None, **dotted_overrides: Any) -> Result:
+        address: str | None = None, display: ProgressDisplay | None = None, resume: bool = False,
+        **dotted_overrides: Any) -> Result:
     """Run one distributed training job and return its Result.
 
     `spec_or_path`: a job YAML path, a mapping, a JobSpec or a loaded Job. Overrides are dotted keys,
     either in `overrides` ({"train.epochs": 3}) or as keyword arguments with `__` for the dot
     (train__epochs=3). Without an initialised Ray, `address` (or RAY_ADDRESS) picks a cluster; with
-    neither, an embedded local Ray runs for the duration of the call.
+    neither, an embedded local Ray runs for the duration of the call. `resume` continues from the
+    latest checkpoint in checkpoint.dir (without it, a checkpoint.dir that holds checkpoints is an error).
     """
     from raytf import controller, spec as spec_lib
     from raytf.session import ray_session
@@ -30,7 +32,7 @@ def fit(spec_or_path: "str | Mapping[str, Any] | JobSpec | Job", overrides: Mapp
     merged.update({k.replace("__", "."): v for k, v in dotted_overrides.items()})
     job = spec_lib.load(spec_or_path, merged)
     with ray_session(address):
-        return controller.run(job, display=display)
+        return controller.run(job, display=display, resume=resume)
 
 
 __all__ = ["fit", "Job", "JobSpec", "Result", "ProgressDisplay", "RaytfError", "SpecError", "PlacementTimeout",

@@ -24,7 +24,8 @@ def main() -> None:
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
               help="Override a spec key, e.g. --set train.epochs=3 (repeatable).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress display; only errors and the final path.")
-def run(job_file: str, address: str | None, settings: tuple[str, ...], quiet: bool) -> None:
+@click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in checkpoint.dir.")
+def run(job_file: str, address: str | None, settings: tuple[str, ...], quiet: bool, resume: bool) -> None:
     """Train the job in JOB_FILE (YAML) on the Ray cluster."""
     from raytf import fit
     from raytf.report import ProgressDisplay
@@ -32,7 +33,7 @@ def run(job_file: str, address: str | None, settings: tuple[str, ...], quiet: bo
 
     display = ProgressDisplay(quiet=quiet)
     try:
-        result = fit(job_file, parse_set_options(list(settings)), address=address, display=display)
+        result = fit(job_file, parse_set_options(list(settings)), address=address, display=display, resume=resume)
     except RaytfError as exc:
         click.echo(f"raytf: error: {exc}", err=True)
         sys.exit(exc.exit_code)
@@ -43,6 +44,39 @@ def run(job_file: str, address: str | None, settings: tuple[str, ...], quiet: bo
     shown = "  ".join(f"{k} {v:.4f}" for k, v in final.items() if isinstance(v, float) and k != "seconds")
     click.echo(f"raytf: {result.name} {result.status}: {shown}")
     click.echo(f"raytf: result {result.output_dir}/result.json, model {result.model_path}")
+
+
+@main.group()
+def data() -> None:
+    """Look at Parquet data sets; make synthetic ones."""
+
+
+@data.command("inspect")
+@click.argument("path")
+@click.option("--workers", "-n", default=2, show_default=True, help="Show the split over this many workers.")
+def data_inspect(path: str, workers: int) -> None:
+    """Schema, row count, files, row groups of PATH (file, directory, glob or URI) and its split."""
+    from raytf.data import inspect_report
+
+    try:
+        click.echo(inspect_report(path, workers))
+    except RaytfError as exc:
+        click.echo(f"raytf: error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+
+
+@data.command("synth-criteo")
+@click.argument("out_dir")
+@click.option("--rows", default=100_000, show_default=True)
+@click.option("--files", default=4, show_default=True)
+@click.option("--row-group-size", default=8192, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+def data_synth_criteo(out_dir: str, rows: int, files: int, row_group_size: int, seed: int) -> None:
+    """Write a click-through table shaped like Criteo's (label, I1..I13, C1..C26) as Parquet."""
+    from raytf.synthetic import criteo_like
+
+    criteo_like(out_dir, rows, files=files, row_group_size=row_group_size, seed=seed)
+    click.echo(f"raytf: wrote {rows:,} rows in {files} file(s) to {out_dir}")
 
 
 # ---------------------------------------------------------------- the Ray Jobs API: submit, status, logs, stop

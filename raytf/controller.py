@@ -5,17 +5,22 @@ The controller owns every actor and the placement group it creates, and frees th
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any, Callable
 
 import ray
+from ray.exceptions import RayActorError
 
+from raytf import failure as failure_lib
 from raytf import placement, rendezvous
-from raytf.errors import PortTaken, TrainingFailed
+from raytf.checkpoint import Storage
+from raytf.errors import PlacementTimeout, PortTaken, SpecError, TrainingFailed, WorkerStartupError
+from raytf.failure import Failure
 from raytf.group import WorkerGroup, describe, root_cause
 from raytf.report import ProgressDisplay, Result, summary_table, write_artifacts
-from raytf.spec import Job, code_root
+from raytf.spec import Job, JobSpec, code_root
 from raytf.worker_api import WorkerPayload
 
 RENDEZVOUS_ATTEMPTS = 3  # fresh ports each time; a port lost twice in a row is already rare
@@ -74,76 +79,194 @@ def upload_code(env: dict[str, Any]) -> dict[str, Any]:
     return upload_working_dir_if_needed(env, include_gitignore=include_gitignore)
 
 
+class AttemptFailed(Exception):
+    """One attempt ended badly; `failure` says how, for the restart policy."""
+
+    def __init__(self, failure: Failure, nodes: list[str] | None = None):
+        super().__init__(failure.message)
+        self.failure, self.nodes = failure, nodes or []
+
+
+class EpochFeed:
+    """Hands each finished epoch's metrics, once and in order, to the display and to `on_epoch`
+    (Ray Tune's report, for instance), across restarts."""
+
+    def __init__(self, display: ProgressDisplay, on_epoch: Callable[[dict[str, Any]], None] | None):
+        self.display, self.on_epoch, self.last = display, on_epoch, 0
+
+    def feed(self, epochs: list[dict[str, Any]]) -> None:
+        for metrics in epochs:
+            if metrics.get("epoch", 0) > self.last:
+                self.last = metrics["epoch"]
+                self.display.epoch(metrics)
+                if self.on_epoch is not None:
+                    self.on_epoch(dict(metrics))
+
+
 def run(job: Job, group_cls: Callable[..., WorkerGroup] = WorkerGroup,
-        display: ProgressDisplay | None = None) -> Result:
+        display: ProgressDisplay | None = None, resume: bool = False,
+        on_epoch: Callable[[dict[str, Any]], None] | None = None, placement_group=None) -> Result:
+    """Attempts until one succeeds or the failure policy gives up: each attempt reserves, starts,
+    trains and tears down; a restart resumes from the latest checkpoint.
+
+    `on_epoch(metrics)` is called once per finished epoch. `placement_group`: run in a group someone
+    else reserved (a Ray Tune trial's), one bundle per worker from index 0; it is not removed here."""
     spec = job.spec
     display = display or ProgressDisplay(quiet=True)
+    epochs = EpochFeed(display, on_epoch)
     started = time.time()
     result = Result(name=spec.name, strategy=spec.strategy, status="failed", output_dir=str(job.output_dir))
-    payload = build_payload(job)
-    bundles = placement.worker_bundles(spec.cluster)
+    storage = _checkpoint_storage(job, resume)
     env = upload_code(runtime_env(job))
-    display.message(f"raytf: reserving {len(bundles)} x {bundles[0]} ({spec.cluster.placement})")
-    pg = placement.reserve(bundles, spec.cluster.placement, spec.cluster.reserve_timeout_s,
-                           name=f"raytf-{spec.name}-{os.getpid()}")
-    phase = _PhaseClock(result.phases, started)
-    phase.done("reserve_s")
+    bad_checkpoints: set[str] = set()
+    workers = spec.cluster.workers
     try:
-        for attempt in range(1, RENDEZVOUS_ATTEMPTS + 1):
-            group = group_cls(pg, bundles, env)
+        while True:
+            resume_from = storage.latest(exclude=bad_checkpoints) if storage and (resume or result.restarts) else None
+            attempt_spec = _with_workers(spec, workers)
+            payload = dataclasses.replace(build_payload(job), spec=attempt_spec,
+                                          checkpoint_dir=job.checkpoint_dir, resume_from=resume_from)
             try:
-                tasks = _start(group, payload, spec.cluster.start_timeout_s)
-            except PortTaken as exc:
-                group.stop()
-                if attempt == RENDEZVOUS_ATTEMPTS:
-                    raise
-                display.message(f"raytf: {exc}; new rendezvous (attempt {attempt + 1})")
-                continue
-            except BaseException:
-                group.stop()
-                raise
-            result.rendezvous_attempts = attempt
-            break
-        phase.done("start_s")
-        display.message("raytf: " + ", ".join(f"rank {t.rank}@{t.address}" + (f" gpu {','.join(t.gpu_ids)}" if t.gpu_ids else "")
-                                               for t in tasks))
-        try:
-            outcomes = _supervise(group, payload, display, spec.failure.hang_timeout_s)
-            phase.done("train_s")
-        finally:
-            group.stop()
+                tasks, outcomes = _attempt(job, attempt_spec, payload, group_cls, env, display, result,
+                                           elastic=bool(result.restarts), epochs=epochs,
+                                           placement_group=placement_group)
+                break
+            except AttemptFailed as failed:
+                decision = failure_lib.decide(failed.failure, _counted(result.restarts), spec.failure.max_restarts)
+                if not decision.restart:
+                    raise TrainingFailed(f"training failed: {failed.failure.message}"
+                                         + (f" ({decision.reason})" if result.restarts else ""),
+                                         failed.failure.causes) from None
+                if failed.failure.kind == "checkpoint":
+                    bad_checkpoints.add(resume_from.path)
+                result.restarts.append({
+                    "at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "time": round(time.time(), 3),
+                    "kind": failed.failure.kind,
+                    "reason": failed.failure.message, "ranks": list(failed.failure.ranks), "nodes": failed.nodes,
+                    "resumed_from_step": None})
+                display.message(f"raytf: attempt failed: {failed.failure.message}; {decision.reason}")
+                workers = spec.cluster.workers
     except BaseException as exc:
         result.error = str(exc)
         result.wall_s = round(time.time() - started, 3)
         result.write()
         raise
-    finally:
-        placement.release(pg)
 
     chief = outcomes[0]
+    epochs.feed(chief["history"])  # the epochs that ended after the last poll
     write_artifacts(job.output_dir, chief.pop("artifacts", {}))
     result.status = "succeeded"
     result.history = chief["history"]
     result.tasks = [dict(rank=t.rank, role="chief" if t.rank == 0 else "worker", node_ip=t.node_ip,
                          node_id=t.node_id, address=t.address, gpu_ids=list(t.gpu_ids),
                          cuda_visible_devices=t.cuda_visible_devices,
-                         weights_digest=o.get("weights_digest"), steps=o.get("steps"))
+                         weights_digest=o.get("weights_digest"), steps=o.get("steps"),
+                         optimizer_steps=o.get("optimizer_steps"))
                     for t, o in zip(tasks, outcomes)]
     result.wall_s = round(time.time() - started, 3)
     if chief.get("first_step_at"):
         result.time_to_first_step_s = round(chief["first_step_at"] - started, 3)
         train_s = chief["finished_at"] - chief["first_step_at"]
-        steps_after_first = max(chief["steps"] - 1, 0)
+        steps_after_first = max(chief["steps_run"] - 1, 0)
         if train_s > 0 and steps_after_first:
             result.examples_per_s = round(steps_after_first * spec.train.global_batch_size / train_s, 1)
     model_path = job.output_dir / "model.keras"
     result.model_path = str(model_path) if model_path.exists() else None
     tb = job.output_dir / "tensorboard"
     result.tensorboard_dir = str(tb) if tb.exists() else None
-    phase.done("finish_s")
     result.write()
     display.message(summary_table(result.history))
     return result
+
+
+def _counted(restarts: list[dict]) -> int:
+    """Restarts charged to failure.max_restarts: a fallback from a corrupt checkpoint is not."""
+    return sum(1 for r in restarts if r["kind"] != "checkpoint")
+
+
+def _checkpoint_storage(job: Job, resume: bool) -> Storage | None:
+    if job.checkpoint_dir is None:
+        if resume:
+            raise SpecError("--resume: the job has no checkpoint.dir to resume from; set checkpoint.dir")
+        return None
+    storage = Storage(job.checkpoint_dir)
+    latest = storage.latest()
+    if latest is not None and not resume:
+        raise SpecError(f"checkpoint.dir {job.checkpoint_dir} already holds checkpoints (latest at step "
+                        f"{latest.step}); pass --resume to continue from it, or choose another checkpoint.dir")
+    return storage
+
+
+def _with_workers(spec: JobSpec, workers: int) -> JobSpec:
+    if workers == spec.cluster.workers:
+        return spec
+    return spec.model_copy(update={"cluster": spec.cluster.model_copy(update={"workers": workers})})
+
+
+def _reserve(spec: JobSpec, display: ProgressDisplay, elastic: bool):
+    """The placement group for this attempt. After a failure, with failure.elastic, a cluster that cannot
+    give back every worker in time is asked for fewer (down to min_workers, keeping the batch divisible)."""
+    sizes = [spec.cluster.workers]
+    if elastic and spec.failure.elastic is not None:
+        sizes = failure_lib.elastic_sizes(spec.cluster.workers, spec.failure.elastic.min_workers,
+                                          spec.train.global_batch_size, spec.cluster.replicas_per_worker)
+    for i, workers in enumerate(sizes):
+        bundles = placement.worker_bundles(spec.cluster.model_copy(update={"workers": workers}))
+        timeout = spec.cluster.reserve_timeout_s if i == 0 else min(10.0, spec.cluster.reserve_timeout_s)
+        display.message(f"raytf: reserving {len(bundles)} x {bundles[0]} ({spec.cluster.placement})")
+        try:
+            return placement.reserve(bundles, spec.cluster.placement, timeout,
+                                     name=f"raytf-{spec.name}-{os.getpid()}"), bundles
+        except PlacementTimeout:
+            if i == len(sizes) - 1:
+                raise
+            display.message(f"raytf: {workers} workers not available; trying {sizes[i + 1]} (failure.elastic)")
+    raise AssertionError("unreachable")
+
+
+def _attempt(job: Job, spec: JobSpec, payload: WorkerPayload, group_cls, env: dict, display: ProgressDisplay,
+             result: Result, elastic: bool, epochs: EpochFeed, placement_group=None):
+    """Reserve, start, rendezvous, train; always tear down. Returns (tasks, outcomes by rank)."""
+    phase = _PhaseClock(result.phases, time.time())
+    if placement_group is not None:
+        pg, bundles = placement_group, placement.worker_bundles(spec.cluster)
+    else:
+        pg, bundles = _reserve(spec, display, elastic)
+    if len(bundles) != spec.cluster.workers:
+        spec = _with_workers(spec, len(bundles))
+        payload = dataclasses.replace(payload, spec=spec)
+    result.workers = len(bundles)
+    if result.restarts:
+        result.restarts[-1].update(resumed_from_step=payload.resume_from.step if payload.resume_from else 0,
+                                   workers=len(bundles))
+    phase.done("reserve_s")
+    group = None
+    try:
+        for rendezvous_attempt in range(1, RENDEZVOUS_ATTEMPTS + 1):
+            group = group_cls(pg, bundles, env)
+            try:
+                tasks = _start(group, payload, spec.cluster.start_timeout_s)
+            except PortTaken as exc:
+                group.stop()
+                if rendezvous_attempt == RENDEZVOUS_ATTEMPTS:
+                    raise AttemptFailed(Failure("startup", str(exc), (), {str(exc): []})) from None
+                display.message(f"raytf: {exc}; new rendezvous (attempt {rendezvous_attempt + 1})")
+                continue
+            except WorkerStartupError as exc:
+                raise AttemptFailed(Failure("startup", str(exc), (), {str(exc): []})) from None
+            result.rendezvous_attempts = rendezvous_attempt
+            break
+        phase.done("start_s")
+        display.message("raytf: " + ", ".join(f"rank {t.rank}@{t.address}" + (f" gpu {','.join(t.gpu_ids)}" if t.gpu_ids else "")
+                                               for t in tasks))
+        outcomes = _supervise(group, tasks, payload, display, epochs, spec.failure.hang_timeout_s)
+        phase.done("train_s")
+        return tasks, outcomes
+    finally:
+        if group is not None:
+            group.stop()
+        if placement_group is None:
+            placement.release(pg)
 
 
 def _start(group: WorkerGroup, payload: WorkerPayload, timeout_s: float) -> list[rendezvous.Task]:
@@ -153,8 +276,8 @@ def _start(group: WorkerGroup, payload: WorkerPayload, timeout_s: float) -> list
     return tasks
 
 
-def _supervise(group: WorkerGroup, payload: WorkerPayload, display: ProgressDisplay,
-               hang_timeout_s: float) -> list[dict[str, Any]]:
+def _supervise(group: WorkerGroup, tasks: list[rendezvous.Task], payload: WorkerPayload,
+               display: ProgressDisplay, epochs: EpochFeed, hang_timeout_s: float) -> list[dict[str, Any]]:
     """Wait for every rank while showing progress; the first failure or a hang ends the attempt."""
     refs = group.train(payload)
     rank_of = {ref: rank for rank, ref in enumerate(refs)}
@@ -169,7 +292,7 @@ def _supervise(group: WorkerGroup, payload: WorkerPayload, display: ProgressDisp
             try:
                 outcomes[rank_of[ref]] = ray.get(ref)
             except Exception as exc:
-                _fail(rank_of, ref, exc, pending)
+                _fail(tasks, rank_of, ref, exc, pending)
         if not pending:
             break
         progress = group.progress(timeout_s=POLL_INTERVAL_S * 4)
@@ -182,28 +305,35 @@ def _supervise(group: WorkerGroup, payload: WorkerPayload, display: ProgressDisp
                 last_seen[rank] = (marker, now)
         stalled = [rank for rank, (_, seen) in last_seen.items() if rank not in outcomes and now - seen > hang_timeout_s]
         if stalled:
-            raise TrainingFailed(f"training hung: rank(s) {stalled} made no progress for {hang_timeout_s:g}s "
-                                 f"(failure.hang_timeout_s)", {"hung": stalled})
+            message = f"training hung: no progress from rank(s) {stalled} for {hang_timeout_s:g}s (failure.hang_timeout_s)"
+            raise AttemptFailed(Failure("hang", message, tuple(stalled), {message: stalled}),
+                                sorted({tasks[r].node_ip for r in stalled}))
+        if progress[0] is not None:
+            epochs.feed(progress[0].get("epochs", []))
         display.update(progress[0], rate.update(progress[0]))
     return [outcomes[rank] for rank in range(len(refs))]
 
 
-def _fail(rank_of: dict, failed_ref, exc: BaseException, pending: list) -> None:
-    """Aggregate: the first failure is the root cause; peers' errors (often a broken collective as a
-    consequence) are grouped by message and listed after it."""
-    causes: dict[str, list[int]] = {describe(exc): [rank_of[failed_ref]]}
+def _rank_error(rank: int, exc: BaseException) -> failure_lib.RankError:
+    cause = root_cause(exc)
+    return failure_lib.RankError(rank, failure_lib.classify(type(cause).__name__, str(cause),
+                                                            actor_died=isinstance(cause, RayActorError)),
+                                 describe(exc))
+
+
+def _fail(tasks: list[rendezvous.Task], rank_of: dict, failed_ref, exc: BaseException, pending: list) -> None:
+    """Collect the peers' errors for a moment (often broken collectives, as a consequence), then raise
+    the aggregate: root cause first, identical errors grouped by rank."""
+    errors = [_rank_error(rank_of[failed_ref], exc)]
     if pending:
         done, _ = ray.wait(pending, num_returns=len(pending), timeout=PEER_ERROR_GRACE_S)
         for ref in done:
             try:
                 ray.get(ref)
             except Exception as peer_exc:
-                causes.setdefault(describe(peer_exc), []).append(rank_of[ref])
-    lines = [f"rank(s) {', '.join(map(str, ranks))}: {msg}" for msg, ranks in causes.items()]
-    message = "training failed: " + lines[0]
-    if len(lines) > 1:
-        message += "; then " + "; ".join(lines[1:])
-    raise TrainingFailed(message, causes) from root_cause(exc)
+                errors.append(_rank_error(rank_of[ref], peer_exc))
+    failure = failure_lib.aggregate(errors)
+    raise AttemptFailed(failure, sorted({tasks[r].node_ip for r in failure.ranks}))
 
 
 class _PhaseClock:

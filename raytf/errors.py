@@ -38,3 +38,14 @@ class TrainingFailed(RaytfError):
     def __init__(self, message: str, causes: dict[str, list[int]] | None = None):
         super().__init__(message)
         self.causes = causes or {}
+
+
+class CheckpointCorrupt(RaytfError):
+    """A checkpoint could not be restored; the controller retries with the one before it."""
+
+    def __init__(self, path: str, cause: str):
+        super().__init__(f"checkpoint {path} cannot be restored ({cause})")
+        self.path, self.cause = path, cause
+
+    def __reduce__(self):  # raised in an actor, unpickled in the driver
+        return type(self), (self.path, self.cause)

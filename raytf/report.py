@@ -25,6 +25,8 @@ class Result:
     wall_s: float | None = None
     time_to_first_step_s: float | None = None
     rendezvous_attempts: int = 1
+    workers: int | None = None  # in the attempt that finished (fewer than asked after an elastic restart)
+    restarts: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # when, why, ranks, nodes, resumed step
     phases: dict[str, float] = dataclasses.field(default_factory=dict)  # reserve_s, start_s, train_s, finish_s
     error: str | None = None
 
@@ -80,7 +82,6 @@ class ProgressDisplay:
         self.live = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.interval_s = 0.0 if self.live else interval_s
         self._last = 0.0
-        self._epochs_shown = 0
         self._started = time.time()
         self._width = 0
 
@@ -89,15 +90,13 @@ class ProgressDisplay:
             self._clear()
             print(text, file=self.stream, flush=True)
 
+    def epoch(self, metrics: dict[str, Any]) -> None:
+        shown = "  ".join(f"{k} {_fmt(v)}" for k, v in metrics.items() if k not in ("epoch", "step", "seconds"))
+        self.message(f"epoch {metrics['epoch']} done in {metrics.get('seconds', 0):.1f}s: {shown}")
+
     def update(self, chief: dict[str, Any] | None, examples_per_s: float | None) -> None:
         if self.quiet or not chief:
             return
-        last_epoch = chief.get("last_epoch")
-        if last_epoch and last_epoch.get("epoch", 0) > self._epochs_shown:
-            self._epochs_shown = last_epoch["epoch"]
-            metrics = "  ".join(f"{k} {_fmt(v)}" for k, v in last_epoch.items()
-                                if k not in ("epoch", "step", "seconds"))
-            self.message(f"epoch {last_epoch['epoch']} done in {last_epoch.get('seconds', 0):.1f}s: {metrics}")
         now = time.time()
         if chief.get("phase") != "train" or now - self._last < self.interval_s:
             return

@@ -73,9 +73,37 @@ class ClusterSpec(_Strict):
         return self.workers * self.replicas_per_worker
 
 
+class ElasticSpec(_Strict):
+    min_workers: int = Field(ge=1)
+
+
 class FailureSpec(_Strict):
     # With no step from any rank for this long, the attempt is declared hung and torn down.
     hang_timeout_s: float = Field(default=300.0, gt=0)
+    # Restarts after a worker or node dies, hangs or loses its network: from the latest checkpoint,
+    # or from the start when checkpoint.dir is not set.
+    max_restarts: int = Field(default=0, ge=0)
+    # When the cluster cannot give back all workers after a failure, go on with fewer (>= min_workers).
+    elastic: ElasticSpec | None = None
+
+
+class CheckpointSpec(_Strict):
+    dir: str | None = None  # a local directory (shared by all nodes) or a pyarrow.fs URI; None: no checkpoints
+    every_steps: int | None = Field(default=None, ge=1)
+    every_epochs: int | None = Field(default=None, ge=1)
+    keep: int = Field(default=3, ge=1)
+
+    @model_validator(mode="after")
+    def _one_interval(self) -> "CheckpointSpec":
+        if self.every_steps is not None and self.every_epochs is not None:
+            raise ValueError("checkpoint: give every_steps or every_epochs, not both")
+        return self
+
+    @property
+    def interval(self) -> tuple[str, int]:
+        if self.every_steps is not None:
+            return "steps", self.every_steps
+        return "epochs", self.every_epochs or 1
 
 
 class OutputSpec(_Strict):
@@ -96,6 +124,7 @@ class JobSpec(_Strict):
     train: TrainSpec = TrainSpec()
     cluster: ClusterSpec = ClusterSpec()
     failure: FailureSpec = FailureSpec()
+    checkpoint: CheckpointSpec = CheckpointSpec()
     output: OutputSpec = OutputSpec()
 
     @field_validator("loss")
@@ -123,6 +152,10 @@ class JobSpec(_Strict):
             if self.data.remainder == "pad" and self.train.steps_per_epoch is not None:
                 raise ValueError("data.remainder: pad reads every row once per epoch, so train.steps_per_epoch "
                                  "must be null (or use remainder: drop)")
+        elastic = self.failure.elastic
+        if elastic is not None and elastic.min_workers > self.cluster.workers:
+            raise ValueError(f"failure.elastic.min_workers {elastic.min_workers} is more than cluster.workers "
+                             f"{self.cluster.workers}; use at most {self.cluster.workers}")
         replicas = self.cluster.replicas
         batch = self.train.global_batch_size
         if batch % replicas:
@@ -146,6 +179,12 @@ class Job:
     job_dir: Path
     source: str | None = None  # the YAML path, for messages
     datasets: dict = dataclasses.field(default_factory=dict)  # split -> data.DatasetInfo, read once by load
+
+    @property
+    def checkpoint_dir(self) -> str | None:
+        """checkpoint.dir as every process must see it: URIs as they are, relative paths under the job folder."""
+        location = self.spec.checkpoint.dir
+        return None if location is None else self.data_path(location)
 
     @property
     def output_dir(self) -> Path:
@@ -297,6 +336,10 @@ def load(source: "str | Path | Mapping[str, Any] | JobSpec | Job",
             resolve_function(ref, job_dir, key)
     _check_keras_names(spec)
     job = Job(spec=spec, job_dir=job_dir, source=name)
+    if job.checkpoint_dir is not None:
+        from raytf.checkpoint import Storage
+
+        Storage(job.checkpoint_dir).check_writable()
     if check_data and spec.data is not None:
         from raytf import data  # pyarrow only; no TensorFlow
 

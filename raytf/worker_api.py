@@ -11,6 +11,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from raytf.checkpoint import CheckpointInfo
 from raytf.data import DatasetInfo
 from raytf.spec import JobSpec
 
@@ -24,6 +25,8 @@ class WorkerPayload:
     train_root: str | None = None
     val_data: DatasetInfo | None = None
     val_root: str | None = None
+    checkpoint_dir: str | None = None  # absolute path or URI, the same for every process
+    resume_from: CheckpointInfo | None = None
 
     def function(self, key: str) -> Callable:
         """Import spec.<key> (`module:function`) inside the actor; its working dir is the job folder."""
@@ -59,6 +62,7 @@ class TaskContext:
         self._progress: dict[str, Any] = {"rank": rank, "phase": "starting", "global_step": 0,
                                           "updated": time.time()}
         self.first_step_at: float | None = None
+        self._epochs: list[dict[str, Any]] = []
 
     # -- progress, called by raytf's loop on every step; cheap unless a report is due
     def step(self, epoch: int, step: int, steps: int, global_step: int, loss, examples: int) -> None:
@@ -75,13 +79,20 @@ class TaskContext:
             self._progress.update(phase="train", epoch=epoch, step=step, steps=steps, global_step=global_step,
                                   loss=float(loss), examples_seen=examples * global_step, updated=now)
 
+    def phase(self, name: str) -> None:
+        """A named stretch of work (validating, checkpointing, restoring): progress for the hang watchdog."""
+        with self._lock:
+            self._progress.update(phase=name, updated=time.time())
+
     def epoch_end(self, metrics: dict[str, Any]) -> None:
         with self._lock:
-            self._progress.update(phase="epoch_end", last_epoch=dict(metrics), updated=time.time())
+            self._epochs.append(dict(metrics))
+            self._progress.update(phase="epoch_end", updated=time.time())
 
     def progress(self) -> dict[str, Any]:
+        """The latest step, and every epoch's metrics so far (so a slow poller misses none)."""
         with self._lock:
-            return dict(self._progress)
+            return {**self._progress, "epochs": list(self._epochs)}
 
     # -- for train_fn users
     def report(self, metrics: dict[str, Any]) -> None:

@@ -1,6 +1,7 @@
 """Shared fixtures: a self-contained job folder (model module + real digits Parquet) in a temp dir."""
 import shutil
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -52,3 +53,35 @@ def write_job(folder: Path, spec: dict, name: str = "job.yaml") -> Path:
     path = folder / name
     path.write_text(yaml.safe_dump(spec))
     return path
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """A local 3-node Ray cluster shared by the test session: a 1-CPU head and two 1-CPU nodes with
+    2 logical GPUs each (Ray sets CUDA_VISIBLE_DEVICES per actor; TF runs on CPU)."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
+    gpu_nodes = [c.add_node(num_cpus=1, num_gpus=2) for _ in range(2)]
+    c.wait_for_nodes()
+    ray.init(address=c.address)
+    yield c, gpu_nodes
+    ray.shutdown()
+    c.shutdown()
+
+
+def assert_nothing_left(deadline_s=15):
+    """No live raytf actor and no placement group that is not removed."""
+    import ray
+    from ray.util.state import list_actors
+
+    end = time.time() + deadline_s
+    while True:
+        actors = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if a.class_name == "TaskActor"]
+        groups = [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
+        if not actors and not groups:
+            return
+        if time.time() > end:
+            pytest.fail(f"leaked: {len(actors)} actors, placement groups {[g['state'] for g in groups]}")
+        time.sleep(0.5)

@@ -10,42 +10,15 @@ import time
 
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 
 import raytf
 from raytf import controller
 from raytf.errors import PlacementTimeout, TrainingFailed
 from raytf.group import WorkerGroup
 from raytf.spec import load
-from tests.conftest import REPO, base_spec, write_job
+from tests.conftest import REPO, assert_nothing_left, base_spec, write_job
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
-    gpu_nodes = [c.add_node(num_cpus=1, num_gpus=2) for _ in range(2)]
-    c.wait_for_nodes()
-    ray.init(address=c.address)
-    yield c, gpu_nodes
-    ray.shutdown()
-    c.shutdown()
-
-
-def assert_nothing_left(deadline_s=15):
-    """No live raytf actor and no placement group that is not removed."""
-    from ray.util.state import list_actors
-
-    end = time.time() + deadline_s
-    while True:
-        actors = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if a.class_name == "TaskActor"]
-        groups = [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
-        if not actors and not groups:
-            return
-        if time.time() > end:
-            pytest.fail(f"leaked: {len(actors)} actors, placement groups {[g['state'] for g in groups]}")
-        time.sleep(0.5)
 
 
 def test_two_workers_on_two_gpu_nodes_train_to_identical_weights(cluster, job_dir):

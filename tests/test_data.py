@@ -201,3 +201,16 @@ def test_inspect_report_shows_schema_rows_and_the_split(criteo_dir):
     assert "3,000 rows in 3 file(s), 6 row group(s)" in report
     assert "C1: string -> string (categorical)" in report and "I1: int64 -> int64" in report and "nulls" in report
     assert report.count("750 rows") == 4
+
+
+def test_cli_data_commands(tmp_path):
+    from click.testing import CliRunner
+
+    from raytf.cli import main
+
+    made = CliRunner().invoke(main, ["data", "synth-criteo", str(tmp_path / "c"), "--rows", "1000", "--files", "2"])
+    assert made.exit_code == 0 and "wrote 1,000 rows in 2 file(s)" in made.output
+    shown = CliRunner().invoke(main, ["data", "inspect", str(tmp_path / "c"), "-n", "3"])
+    assert shown.exit_code == 0 and "1,000 rows in 2 file(s)" in shown.output and "worker 2: 334 rows" in shown.output
+    missing = CliRunner().invoke(main, ["data", "inspect", str(tmp_path / "none")])
+    assert missing.exit_code == 2 and "does not exist" in missing.output

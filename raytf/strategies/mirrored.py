@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
+import tempfile
 import time
 from typing import Any
 
@@ -15,6 +17,8 @@ import tensorflow as tf
 import keras
 
 from raytf import data
+from raytf.checkpoint import Storage
+from raytf.errors import CheckpointCorrupt
 from raytf.strategies import steps as steps_lib
 from raytf.worker_api import TaskContext, WorkerPayload
 
@@ -39,6 +43,9 @@ def run(strategy: tf.distribute.Strategy, payload: WorkerPayload, ctx: TaskConte
         if not isinstance(model, keras.Model):
             raise TypeError(f"model: {spec.model} returned {type(model).__name__}, not a keras.Model")
         optimizer = steps_lib.build_optimizer(spec)
+        optimizer.build(model.trainable_variables)  # slots exist before a restore fills them
+    checkpoints = Checkpointer(model, optimizer, payload, ctx)
+    position = checkpoints.restore()  # (epoch, step in epoch, global step, history) to start from
     loss_fn = steps_lib.build_loss(spec)
     train_acc = steps_lib.Accumulator(steps_lib.build_metrics(spec))
     eval_acc = steps_lib.Accumulator(steps_lib.build_metrics(spec))
@@ -52,15 +59,18 @@ def run(strategy: tf.distribute.Strategy, payload: WorkerPayload, ctx: TaskConte
     if spec.dataset_fn is not None:
         iterator = iter(strategy.distribute_datasets_from_function(payload.function("dataset_fn")))
     else:
-        iterator = iter(strategy.distribute_datasets_from_function(plan.train_input(spec.train.seed)))
+        iterator = iter(strategy.distribute_datasets_from_function(
+            plan.train_input(spec.train.seed, first_epoch=position.epoch, skip_batches=position.step_in_epoch)))
     val_iterator = iter(strategy.distribute_datasets_from_function(plan.val_input())) if plan.val_steps else None
 
-    history = []
-    global_step = 0
-    for epoch in range(1, spec.train.epochs + 1):
+    history = list(position.history)
+    global_step = position.global_step
+    every_kind, every = spec.checkpoint.interval
+    for epoch in range(position.epoch, spec.train.epochs + 1):
         started = time.time()
         train_acc.total.assign(tf.zeros_like(train_acc.total))
-        for step in range(1, plan.steps + 1):
+        first_step = position.step_in_epoch + 1 if epoch == position.epoch else 1
+        for step in range(first_step, plan.steps + 1):
             try:
                 loss = fns.train(iterator)
             except tf.errors.OutOfRangeError:
@@ -68,8 +78,11 @@ def run(strategy: tf.distribute.Strategy, payload: WorkerPayload, ctx: TaskConte
                                  f"make it longer (e.g. .repeat()) or lower train.steps_per_epoch") from None
             global_step += 1
             ctx.step(epoch, step, plan.steps, global_step, loss, global_batch)
+            if every_kind == "steps" and global_step % every == 0 and step < plan.steps:
+                checkpoints.save(global_step, epoch, step, history)
         metrics = train_acc.results(fns.global_sum(train_acc.total.read_value()).numpy())
         if plan.val_steps:
+            ctx.phase("validating")
             eval_acc.total.assign(tf.zeros_like(eval_acc.total))
             for _ in range(plan.val_steps):
                 fns.evaluate(val_iterator)
@@ -85,11 +98,14 @@ def run(strategy: tf.distribute.Strategy, payload: WorkerPayload, ctx: TaskConte
                     if k not in ("epoch", "step") and isinstance(v, float):
                         tf.summary.scalar(k, v)
             writer.flush()
+        if (every_kind == "steps" and global_step % every == 0) or (every_kind == "epochs" and epoch % every == 0):
+            checkpoints.save(global_step, epoch + 1, 0, history)
 
     if ctx.is_chief:
         model.save(os.path.join(ctx.staging_dir, "model.keras"))
     return {"history": history, "weights_digest": steps_lib.weights_digest(model), "steps": global_step,
-            "replicas": replicas}
+            "steps_run": global_step - position.global_step, "replicas": replicas,
+            "optimizer_steps": int(optimizer.iterations.numpy())}
 
 
 class _Plan:
@@ -120,13 +136,16 @@ class _Plan:
             largest = max(data.shard_rows(s) for s in self.val_shards)
             self.val_steps = max(1, math.ceil(largest / per_worker))
 
-    def train_input(self, seed: int):
+    def train_input(self, seed: int, first_epoch: int = 1, skip_batches: int = 0):
+        """From `first_epoch`, less the batches of it already trained (a resume from mid-epoch)."""
         p = self.payload
 
         def dataset_fn(input_context: tf.distribute.InputContext):
             shard = self.train_shards[input_context.input_pipeline_id]
-            return data.train_dataset(p.train_data, p.train_root, shard, self.per_replica,
-                                      self.steps * self.local_replicas, self.shuffle_buffer, seed, pad=self.pad)
+            ds = data.train_dataset(p.train_data, p.train_root, shard, self.per_replica,
+                                    self.steps * self.local_replicas, self.shuffle_buffer, seed,
+                                    first_epoch=first_epoch, pad=self.pad)
+            return ds.skip(skip_batches * self.local_replicas) if skip_batches else ds
 
         return dataset_fn
 
@@ -141,6 +160,53 @@ class _Plan:
         return dataset_fn
 
 
+class _Position:
+    def __init__(self, epoch: int = 1, step_in_epoch: int = 0, global_step: int = 0, history=()):
+        self.epoch, self.step_in_epoch, self.global_step, self.history = epoch, step_in_epoch, global_step, history
+
+
+class Checkpointer:
+    """Model + optimizer state (with its step counter) through tf.train.Checkpoint. Every worker writes
+    (a MultiWorkerMirrored save may run collectives), each to its own temporary folder; the chief
+    uploads its copy with the position and history, then prunes to checkpoint.keep."""
+
+    def __init__(self, model, optimizer, payload: WorkerPayload, ctx: TaskContext):
+        self.ckpt = tf.train.Checkpoint(model=model, optimizer=optimizer)
+        self.payload, self.ctx = payload, ctx
+        self.storage = Storage(payload.checkpoint_dir) if payload.checkpoint_dir else None
+
+    def restore(self) -> _Position:
+        resume = self.payload.resume_from
+        if resume is None:
+            return _Position()
+        self.ctx.phase("restoring")
+        local = tempfile.mkdtemp(prefix="raytf-restore-")
+        try:
+            Storage(self.payload.checkpoint_dir).download(resume, local)
+            self.ckpt.read(os.path.join(local, "state")).assert_existing_objects_matched()
+        except Exception as exc:
+            raise CheckpointCorrupt(resume.path, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}") from None
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+        return _Position(resume.epoch, resume.step_in_epoch, resume.step, resume.history)
+
+    def save(self, global_step: int, epoch: int, step_in_epoch: int, history: list) -> None:
+        if self.storage is None:
+            return
+        self.ctx.phase("checkpointing")
+        local = tempfile.mkdtemp(prefix="raytf-ckpt-")
+        try:
+            self.ckpt.write(os.path.join(local, "state"))
+            if self.ctx.is_chief:
+                self.storage.upload(local, {"step": global_step, "epoch": epoch, "step_in_epoch": step_in_epoch,
+                                            "history": history, "world_size": self.ctx.world_size,
+                                            "saved_at": time.time()})
+                self.storage.prune(self.payload.spec.checkpoint.keep)
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+        self.ctx.phase("train")
+
+
 def _summary_writer(ctx: TaskContext):
     return tf.summary.create_file_writer(os.path.join(ctx.staging_dir, "tensorboard"))
 
@@ -153,4 +219,4 @@ def _run_user_loop(strategy, payload: WorkerPayload, ctx: TaskContext) -> dict[s
     payload.function("train_fn")(ctx)
     digest = steps_lib.weights_digest(ctx.saved_model) if ctx.saved_model is not None else None
     return {"history": ctx.history, "weights_digest": digest, "steps": ctx.global_step,
-            "replicas": ctx.num_replicas}
+            "steps_run": ctx.global_step, "replicas": ctx.num_replicas}

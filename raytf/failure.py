@@ -1,0 +1,88 @@
+"""What went wrong in an attempt, and what to do about it: pure functions, no Ray, no TensorFlow.
+
+The controller turns whatever it saw (exceptions from ranks, a stalled rank, a start-up error) into a
+Failure; `decide` says restart or fail; `elastic_sizes` says which smaller worker counts may replace a
+full-size restart the cluster cannot hold.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+Kind = Literal["actor_died", "hang", "collective", "io", "startup", "checkpoint", "error"]
+
+# Infrastructure trouble is worth a restart; an error in the user's code would only repeat.
+RESTARTABLE: frozenset[str] = frozenset({"actor_died", "hang", "collective", "io", "startup", "checkpoint"})
+
+# TensorFlow's errors when a peer of a collective vanishes or the network breaks.
+_COLLECTIVE_ERRORS = {"UnavailableError", "CancelledError", "DeadlineExceededError", "AbortedError",
+                      "InternalError", "UnknownError"}
+_IO_ERRORS = {"OSError", "IOError", "ConnectionError", "ConnectionResetError", "TimeoutError", "BrokenPipeError"}
+
+
+@dataclasses.dataclass(frozen=True)
+class RankError:
+    rank: int
+    kind: Kind
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    kind: Kind
+    message: str  # root cause first, then the others grouped
+    ranks: tuple[int, ...]  # the ranks of the root cause
+    causes: dict  # message -> ranks, root cause first
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    restart: bool
+    reason: str
+
+
+def classify(type_name: str, message: str, actor_died: bool = False) -> Kind:
+    if actor_died:
+        return "actor_died"
+    if type_name == "CheckpointCorrupt":
+        return "checkpoint"
+    if type_name in _COLLECTIVE_ERRORS or "collective" in message.lower():
+        return "collective"
+    if type_name in _IO_ERRORS:
+        return "io"
+    return "error"
+
+
+_ROOT_ORDER = {"actor_died": 0, "hang": 1, "startup": 2, "checkpoint": 3, "error": 4, "io": 5, "collective": 6}
+
+
+def aggregate(errors: list[RankError]) -> Failure:
+    """Root cause first: a dead actor explains its peers' broken collectives, and so does a user error;
+    within a kind, the first seen wins. Identical messages are grouped by rank."""
+    if not errors:
+        raise ValueError("no errors to aggregate")
+    ordered = sorted(enumerate(errors), key=lambda ie: (_ROOT_ORDER[ie[1].kind], ie[0]))
+    causes: dict[str, list[int]] = {}
+    for _, e in ordered:
+        causes.setdefault(e.message, []).append(e.rank)
+    causes = {msg: sorted(set(ranks)) for msg, ranks in causes.items()}
+    root = ordered[0][1]
+    lines = [f"rank(s) {', '.join(map(str, ranks))}: {msg}" for msg, ranks in causes.items()]
+    message = lines[0] + ("; then " + "; ".join(lines[1:]) if len(lines) > 1 else "")
+    return Failure(kind=root.kind, message=message, ranks=tuple(causes[root.message]), causes=causes)
+
+
+def decide(failure: Failure, restarts_done: int, max_restarts: int) -> Decision:
+    if failure.kind == "checkpoint":  # not the workers' fault: the previous checkpoint is used, free of charge
+        return Decision(True, "falling back to the previous checkpoint")
+    if failure.kind not in RESTARTABLE:
+        return Decision(False, f"{failure.kind} in the job's own code: a restart would repeat it")
+    if restarts_done >= max_restarts:
+        return Decision(False, f"failure.max_restarts ({max_restarts}) used up")
+    return Decision(True, f"restart {restarts_done + 1} of {max_restarts}")
+
+
+def elastic_sizes(workers: int, min_workers: int, global_batch: int, replicas_per_worker: int) -> list[int]:
+    """Worker counts to try, largest first, from `workers` down to `min_workers`, keeping only those
+    that divide the global batch (the global batch stays; the per-replica batch grows)."""
+    return [w for w in range(workers, min_workers - 1, -1) if global_batch % (w * replicas_per_worker) == 0]

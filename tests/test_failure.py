@@ -1,0 +1,41 @@
+"""Failure classification and the restart policy are pure."""
+import pytest
+
+from raytf.failure import Failure, RankError, aggregate, classify, decide, elastic_sizes
+
+
+def test_classify_tells_infrastructure_from_user_errors():
+    assert classify("RayActorError", "died", actor_died=True) == "actor_died"
+    assert classify("UnavailableError", "peer gone") == "collective"
+    assert classify("InternalError", "Collective ops is aborted") == "collective"
+    assert classify("ConnectionResetError", "") == "io"
+    assert classify("ValueError", "bad shape") == "error"
+
+
+def test_a_dead_actor_is_the_root_cause_of_its_peers_collective_errors():
+    failure = aggregate([RankError(0, "collective", "UnavailableError: peer 1 unreachable"),
+                         RankError(2, "collective", "UnavailableError: peer 1 unreachable"),
+                         RankError(1, "actor_died", "actor died (killed)")])
+    assert failure.kind == "actor_died" and failure.ranks == (1,)
+    assert failure.message == ("rank(s) 1: actor died (killed); "
+                               "then rank(s) 0, 2: UnavailableError: peer 1 unreachable")
+
+
+def test_identical_errors_are_grouped_by_rank():
+    failure = aggregate([RankError(r, "error", "ValueError: boom") for r in (3, 1, 2)])
+    assert failure.causes == {"ValueError: boom": [1, 2, 3]} and failure.message.startswith("rank(s) 1, 2, 3")
+
+
+@pytest.mark.parametrize("kind,done,allowed,restart", [
+    ("actor_died", 0, 2, True), ("hang", 1, 2, True), ("collective", 2, 2, False),
+    ("error", 0, 5, False), ("startup", 0, 0, False),
+])
+def test_decide(kind, done, allowed, restart):
+    failure = Failure(kind=kind, message="m", ranks=(0,), causes={})
+    assert decide(failure, done, allowed).restart is restart
+
+
+def test_elastic_sizes_keep_the_global_batch_divisible():
+    assert elastic_sizes(4, 2, 96, 1) == [4, 3, 2]
+    assert elastic_sizes(4, 1, 64, 1) == [4, 2, 1]
+    assert elastic_sizes(3, 3, 64, 1) == []

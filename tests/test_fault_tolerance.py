@@ -1,0 +1,154 @@
+"""Checkpoints and recovery on the local multi-node cluster: a dead or hung worker costs at most one
+checkpoint interval, never a hang; restarts are bounded; resume continues where a run stopped."""
+import json
+import textwrap
+import time
+
+import pytest
+from click.testing import CliRunner
+
+import raytf
+from raytf.checkpoint import Storage
+from raytf.cli import main
+from raytf.controller import run
+from raytf.errors import SpecError, TrainingFailed
+from raytf.spec import load
+from tests.conftest import assert_nothing_left, base_spec, write_job
+from tests.faults import Killer
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+
+STEPS_PER_EPOCH = 1437 // 16  # global batch 16 over 2 workers: 89 steps per epoch
+
+
+def ft_spec(job_dir, **changes):
+    spec = base_spec(train={"epochs": 4, "global_batch_size": 16, "seed": 7},
+                     checkpoint={"dir": str(job_dir / "ckpt"), "every_steps": 40, "keep": 2},
+                     failure={"max_restarts": 2, "hang_timeout_s": 60}, optimizer={"name": "adam", "learning_rate": 0.003},
+                     output={"tensorboard": False})
+    spec.update(changes)
+    return spec
+
+
+def test_a_killed_worker_costs_one_restart_and_the_run_ends_where_it_would_have(cluster, job_dir, tmp_path):
+    baseline = raytf.fit(write_job(job_dir, ft_spec(job_dir, checkpoint={"dir": str(tmp_path / "base-ckpt"),
+                                                                         "every_steps": 40})))
+    killer = Killer(rank=1, at_step=130, attempts={1})
+    result = run(load(write_job(job_dir, ft_spec(job_dir))), group_cls=killer.group_cls)
+
+    assert killer.killed_at, "the worker was never killed"
+    assert len(result.restarts) == 1
+    restart = result.restarts[0]
+    assert restart["kind"] == "actor_died" and restart["ranks"] == [1] and "actor died" in restart["reason"]
+    assert restart["resumed_from_step"] in (120, 80)  # the latest checkpoint before the kill
+    assert restart["resumed_from_step"] <= 130
+    planned = 4 * STEPS_PER_EPOCH
+    assert [t["steps"] for t in result.tasks] == [planned, planned]
+    assert [t["optimizer_steps"] for t in result.tasks] == [planned, planned]  # optimizer state came back too
+    assert len(result.history) == 4 and [h["epoch"] for h in result.history] == [1, 2, 3, 4]
+    final, expected = result.history[-1]["loss"], baseline.history[-1]["loss"]
+    assert abs(final - expected) <= 0.1 * expected + 0.01, (final, expected)
+    saved = json.loads((job_dir / "runs" / "t" / "result.json").read_text())
+    assert saved["restarts"][0]["resumed_from_step"] == restart["resumed_from_step"]
+    assert len(Storage(str(job_dir / "ckpt")).list()) == 2  # checkpoint.keep
+    assert_nothing_left()
+
+
+STALLING_DATA = textwrap.dedent('''
+    import json, os, time
+    import numpy as np
+    import tensorflow as tf
+
+    MARKER = {marker!r}  # absolute: every node, every attempt sees the same file
+
+    def dataset_fn(ctx):
+        rank = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+        rng = np.random.default_rng(rank)
+        x = rng.normal(size=(64, 64)).astype("float32")
+        y = rng.integers(0, 10, size=64)
+
+        def gen():
+            for i in range(10**9):
+                if rank == 1 and i == 30 and not os.path.exists(MARKER):
+                    open(MARKER, "w").write(str(time.time()))
+                    time.sleep(3600)  # stalls without dying
+                yield x[i % 64], y[i % 64]
+
+        sig = (tf.TensorSpec((64,), tf.float32), tf.TensorSpec((), tf.int64))
+        return tf.data.Dataset.from_generator(gen, output_signature=sig).batch(ctx.get_per_replica_batch_size(16))
+''')
+
+
+def test_a_stalled_worker_is_detected_within_the_hang_timeout_and_restarted(cluster, job_dir):
+    (job_dir / "stall.py").write_text(STALLING_DATA.replace("{marker!r}", repr(str(job_dir / "stalled-once"))))
+    spec = ft_spec(job_dir, dataset_fn="stall:dataset_fn", failure={"max_restarts": 1, "hang_timeout_s": 10})
+    spec.pop("data")
+    spec["train"] = {"epochs": 2, "global_batch_size": 16, "steps_per_epoch": 40}
+    result = raytf.fit(write_job(job_dir, spec))
+    assert len(result.restarts) == 1 and result.restarts[0]["kind"] == "hang"
+    assert "no progress from rank(s)" in result.restarts[0]["reason"] and 1 in result.restarts[0]["ranks"]
+    stalled_at = float((job_dir / "stalled-once").read_text())
+    detected_after = result.restarts[0]["time"] - stalled_at
+    assert 10 <= detected_after <= 10 + 8, detected_after
+    assert [t["steps"] for t in result.tasks] == [80, 80]
+    assert_nothing_left()
+
+
+def test_a_worker_killed_every_attempt_fails_after_max_restarts_with_exit_1(cluster, job_dir):
+    killer = Killer(rank=1, at_step=20)  # every attempt
+    path = write_job(job_dir, ft_spec(job_dir, failure={"max_restarts": 1, "hang_timeout_s": 60}))
+    started = time.time()
+    with pytest.raises(TrainingFailed) as info:
+        run(load(path), group_cls=killer.group_cls)
+    assert len(killer.killed_at) == 2
+    message = str(info.value)
+    assert "rank(s) 1: actor died" in message and "failure.max_restarts (1) used up" in message
+    assert info.value.exit_code == 1
+    assert time.time() - started < 150
+    saved = json.loads((job_dir / "runs" / "t" / "result.json").read_text())
+    assert saved["status"] == "failed" and len(saved["restarts"]) == 1
+    assert_nothing_left()
+
+
+def test_resume_continues_at_the_saved_step_with_the_optimizer_state(cluster, job_dir):
+    spec = ft_spec(job_dir, checkpoint={"dir": str(job_dir / "ckpt"), "every_epochs": 1, "keep": 3},
+                   failure={"max_restarts": 0})
+    spec["train"]["epochs"] = 2
+    path = write_job(job_dir, spec)
+    first = raytf.fit(path)
+    assert [c.step for c in Storage(str(job_dir / "ckpt")).list()] == [STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH]
+
+    refused = CliRunner().invoke(main, ["run", str(path), "--set", "train.epochs=3"])
+    assert refused.exit_code == 2 and "already holds checkpoints" in refused.output and "--resume" in refused.output
+
+    resumed = raytf.fit(path, {"train.epochs": 3}, resume=True)
+    assert resumed.history[:2] == first.history  # the finished epochs are carried over
+    assert [h["epoch"] for h in resumed.history] == [1, 2, 3]
+    assert [t["steps"] for t in resumed.tasks] == [3 * STEPS_PER_EPOCH] * 2
+    assert [t["optimizer_steps"] for t in resumed.tasks] == [3 * STEPS_PER_EPOCH] * 2  # not restarted from 0
+    assert resumed.history[2]["loss"] < first.history[0]["loss"]
+    assert_nothing_left()
+
+
+def test_a_corrupt_checkpoint_is_reported_and_the_previous_one_is_used(cluster, job_dir):
+    spec = ft_spec(job_dir, checkpoint={"dir": str(job_dir / "ckpt"), "every_epochs": 1, "keep": 3},
+                   failure={"max_restarts": 0})
+    spec["train"]["epochs"] = 2
+    path = write_job(job_dir, spec)
+    raytf.fit(path)
+    latest = Storage(str(job_dir / "ckpt")).latest()
+    data_file = next(p for p in (job_dir / "ckpt").glob(f"ckpt-{latest.step:012d}/state.data-*"))
+    data_file.write_bytes(b"\0" * 10)
+    result = raytf.fit(path, {"train.epochs": 3}, resume=True)
+    assert result.restarts[0]["kind"] == "checkpoint" and latest.path in result.restarts[0]["reason"]
+    assert result.restarts[0]["resumed_from_step"] == STEPS_PER_EPOCH
+    assert [t["steps"] for t in result.tasks] == [3 * STEPS_PER_EPOCH] * 2
+    assert_nothing_left()
+
+
+def test_an_unwritable_checkpoint_dir_is_a_spec_error_before_training(job_dir):
+    (job_dir / "a-file").write_text("")
+    with pytest.raises(SpecError, match="checkpoint.dir: cannot write to"):
+        load(write_job(job_dir, ft_spec(job_dir, checkpoint={"dir": str(job_dir / "a-file" / "ckpt")})))
+    with pytest.raises(SpecError, match="checkpoint.dir: pyarrow cannot open"):
+        load(write_job(job_dir, ft_spec(job_dir, checkpoint={"dir": "nosuchscheme://bucket/x"})))
