@@ -26,23 +26,27 @@ BATCH = 256
 WIDTH = 16
 
 
-def make_data(folder: Path, rows: int, files: int = 4) -> list[str]:
+LAYOUTS = {  # name -> (feature columns, whether x is one fixed-size-list column)
+    "16 scalar columns": ([f"x{j}" for j in range(WIDTH)], False),
+    "one vector[16] column": (["x"], True),
+}
+
+
+def make_data(folder: Path, rows: int, vector: bool, files: int = 4) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     rng = np.random.default_rng(0)
-    names = []
     for i in range(files):
         n = rows // files
         x = rng.normal(size=(n, WIDTH)).astype(np.float32)
-        table = pa.table({**{f"x{j}": x[:, j] for j in range(WIDTH)}, "label": (x[:, 0] > 0).astype(np.int64)})
-        path = folder / f"part-{i}.parquet"
-        pq.write_table(table, path, row_group_size=32_768)
-        names.append(str(path))
-    return names
+        columns = {"x": pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), WIDTH)} if vector else \
+            {f"x{j}": x[:, j] for j in range(WIDTH)}
+        pq.write_table(pa.table({**columns, "label": (x[:, 0] > 0).astype(np.int64)}), folder / f"part-{i}.parquet",
+                       row_group_size=32_768)
 
 
-def consume(dataset, limit_batches: int | None = None) -> tuple[int, float]:
+def consume(dataset) -> tuple[int, float]:
     """Feed every batch to a trivial compiled step; returns (rows, seconds)."""
     import tensorflow as tf
 
@@ -52,30 +56,32 @@ def consume(dataset, limit_batches: int | None = None) -> tuple[int, float]:
 
     rows = 0
     started = time.perf_counter()
-    for i, (x, y) in enumerate(dataset):
+    for x, y in dataset:
         step(x, y)
         rows += int(y.shape[0])
-        if limit_batches and i + 1 >= limit_batches:
-            break
     return rows, time.perf_counter() - started
 
 
-def ceiling(folder: Path) -> float:
+def ceiling(folder: Path, features: list[str], vector: bool) -> float:
+    """from_tensor_slices on arrays already in memory: a (rows, 16) matrix, or one array per column."""
     import pyarrow.parquet as pq
     import tensorflow as tf
 
     table = pq.read_table(folder)
-    x = {f"x{j}": table.column(f"x{j}").to_numpy() for j in range(WIDTH)}
+    if vector:
+        x = np.stack(table.column("x").to_numpy(zero_copy_only=False)).astype(np.float32)
+    else:
+        x = {f: table.column(f).to_numpy() for f in features}
     y = table.column("label").to_numpy()
     rows, seconds = consume(tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH, drop_remainder=True)
                             .prefetch(tf.data.AUTOTUNE))
     return rows / seconds
 
 
-def raytf_pipeline(folder: Path, shuffle_buffer: int) -> float:
+def raytf_pipeline(folder: Path, features: list[str], shuffle_buffer: int) -> float:
     from raytf import data
 
-    info = data.describe(str(folder), [f"x{j}" for j in range(WIDTH)], "label")
+    info = data.describe(str(folder), features, "label")
     shard = data.plan_shards([p.num_rows for p in info.pieces], 1)[0]
     steps = info.num_rows // BATCH
     ds = data.train_dataset(info, str(folder), shard, BATCH, steps, shuffle_buffer, seed=0).take(steps)
@@ -83,31 +89,26 @@ def raytf_pipeline(folder: Path, shuffle_buffer: int) -> float:
     return rows / seconds
 
 
-def ray_data_to_tf(folder: Path) -> float:
+def ray_data_to_tf(folder: Path, features: list[str]) -> float:
     import ray
 
     ds = ray.data.read_parquet(str(folder))
-    tf_ds = ds.to_tf(feature_columns=[f"x{j}" for j in range(WIDTH)], label_columns="label", batch_size=BATCH,
-                     drop_last=True)
+    cols = features[0] if len(features) == 1 else features
+    tf_ds = ds.to_tf(feature_columns=cols, label_columns="label", batch_size=BATCH, drop_last=True)
     rows, seconds = consume(tf_ds)
     return rows / seconds
 
 
-def ray_data_iter_tf_batches(folder: Path) -> float:
+def ray_data_iter_tf_batches(folder: Path, features: list[str]) -> float:
     import ray
-    import tensorflow as tf
 
     ds = ray.data.read_parquet(str(folder))
 
     def batches():
         for b in ds.iter_tf_batches(batch_size=BATCH, drop_last=True):
-            yield {f"x{j}": b[f"x{j}"] for j in range(WIDTH)}, b["label"]
+            yield (b[features[0]] if len(features) == 1 else {f: b[f] for f in features}), b["label"]
 
-    return _rate(batches(), tf)
-
-
-def _rate(iterable, tf) -> float:
-    rows, seconds = consume(iterable)
+    rows, seconds = consume(batches())
     return rows / seconds
 
 
@@ -155,47 +156,51 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--memory-rows", type=int, default=4_000_000)
     parser.add_argument("--skip-ray-data", action="store_true")
-    parser.add_argument("--memory-only", action="store_true", help="only the peak-memory table")
     args = parser.parse_args()
 
     import ray
 
     work = Path(tempfile.mkdtemp(prefix="raytf-ingest-"))
-    folder = work / "table"
-    folder.mkdir()
-    make_data(folder, args.rows)
-    ways = {
-        "in-memory ceiling (from_tensor_slices)": lambda: ceiling(folder),
-        "raytf Parquet (shuffle_buffer 10000)": lambda: raytf_pipeline(folder, 10_000),
-        "raytf Parquet (no shuffle)": lambda: raytf_pipeline(folder, 0),
-    }
     if not args.skip_ray_data:
         ray.init(include_dashboard=False, log_to_driver=False, num_cpus=os.cpu_count())
         ray.data.DataContext.get_current().enable_progress_bars = False
-        ways["Ray Data to_tf"] = lambda: ray_data_to_tf(folder)
-        ways["Ray Data iter_tf_batches"] = lambda: ray_data_iter_tf_batches(folder)
-    if args.memory_only:
-        ways = {}
-    rates: dict[str, list[float]] = {name: [] for name in ways}
-    for rep in range(args.reps):  # interleaved reps: machine drift hits every way alike
-        for name, fn in ways.items():
-            rates[name].append(fn())
-        print(f"rep {rep + 1}: " + ", ".join(f"{k}: {v[-1]:,.0f}" for k, v in rates.items()), flush=True)
-    med = {k: statistics.median(v) for k, v in rates.items()}
-    top = med.get("in-memory ceiling (from_tensor_slices)")
-    base = med.get("Ray Data to_tf")
-    print(f"\n{args.rows:,} rows x {WIDTH} float32 in 4 files (row groups of 32,768), batch {BATCH}, one process, "
-          f"median of {args.reps}, {os.cpu_count()} CPUs\n")
-    if med:
-        print("| pipeline | rows/s | vs ceiling | vs Ray Data to_tf |\n|---|---:|---:|---:|")
-    for name, rate in med.items():
-        print(f"| {name} | {rate:,.0f} | {rate / top:.2f}x | {(f'{rate / base:.1f}x' if base else '-')} |")
+    print(f"{args.rows:,} rows x {WIDTH} float32 + int64 label in 4 files (row groups of 32,768), batch {BATCH}, "
+          f"one process, median of {args.reps}, {os.cpu_count()} CPUs")
+    for layout, (features, vector) in LAYOUTS.items():
+        folder = work / ("vector" if vector else "scalars")
+        folder.mkdir()
+        make_data(folder, args.rows, vector)
+        ways = {
+            "in-memory ceiling (from_tensor_slices)": lambda: ceiling(folder, features, vector),
+            "raytf Parquet (shuffle_buffer 10,000)": lambda: raytf_pipeline(folder, features, 10_000),
+            "raytf Parquet (no shuffle)": lambda: raytf_pipeline(folder, features, 0),
+        }
+        if not args.skip_ray_data:
+            ways["Ray Data to_tf"] = lambda: ray_data_to_tf(folder, features)
+            ways["Ray Data iter_tf_batches"] = lambda: ray_data_iter_tf_batches(folder, features)
+        rates: dict[str, list] = {name: [] for name in ways}
+        for rep in range(args.reps):  # interleaved reps: machine drift hits every way alike
+            for name, fn in ways.items():
+                try:
+                    rates[name].append(fn())
+                except Exception as exc:  # e.g. to_tf on a vector column
+                    rates[name].append(f"fails: {type(exc).__name__}")
+        med = {k: (statistics.median(v) if all(isinstance(x, float) for x in v) else v[0]) for k, v in rates.items()}
+        top = med["in-memory ceiling (from_tensor_slices)"]
+        base = med.get("Ray Data to_tf")
+        print(f"\n{layout}:\n\n| pipeline | rows/s | vs ceiling | vs Ray Data to_tf |\n|---|---:|---:|---:|")
+        for name, rate in med.items():
+            if isinstance(rate, str):
+                print(f"| {name} | {rate} | - | - |")
+                continue
+            vs_base = f"{rate / base:.1f}x" if isinstance(base, float) else "-"
+            print(f"| {name} | {rate:,.0f} | {rate / top:.2f}x | {vs_base} |", flush=True)
 
     big = work / "big"
     big.mkdir()
-    make_data(big, args.memory_rows, files=8)
+    make_data(big, args.memory_rows, vector=False, files=8)
     table_mib = args.memory_rows * (WIDTH * 4 + 8) / 2**20
-    print(f"\nPeak memory streaming {args.memory_rows:,} rows ({table_mib:,.0f} MiB as arrays) through raytf:")
+    print(f"\nPeak memory streaming {args.memory_rows:,} rows ({table_mib:,.0f} MiB as arrays) through raytf:\n")
     print("| shuffle_buffer | RSS after the first batch (MiB) | peak RSS while streaming (MiB) | growth (MiB) |\n"
           "|---:|---:|---:|---:|")
     for buffer in (10_000, 100_000):

@@ -108,7 +108,7 @@ def _filesystem(path: str) -> tuple[pafs.FileSystem, str]:
 
 def _list_parquet_files(fs: pafs.FileSystem, root: str, key: str) -> list[str]:
     """Paths relative to root; a file root gives [""]; a glob gives its matches."""
-    if any(ch in root for ch in "*?[") and isinstance(fs, pafs.LocalFileSystem):
+    if any(ch in root for ch in "*?[") and isinstance(fs, pafs.LocalFileSystem) and not os.path.exists(root):
         matches = sorted(m for m in globlib.glob(root) if os.path.isfile(m))
         if not matches:
             raise SpecError(f"{key}: {root!r} matches no files; check the pattern")
