@@ -94,6 +94,9 @@ def _jobs_command(body) -> None:
     except RaytfError as exc:
         click.echo(f"raytf: error: {exc}", err=True)
         sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        click.echo("raytf: interrupted", err=True)
+        sys.exit(130)
     sys.exit(code or 0)
 
 
