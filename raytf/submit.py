@@ -43,9 +43,14 @@ EXIT_UNREACHABLE = 5  # the Jobs API could not be reached, refused the token, or
 
 
 class ClusterUnreachable(RaytfError):
-    """The Jobs API did not answer, refused our token, or answered with an error."""
+    """The Jobs API did not answer, refused our token, or answered with an error. `reason`: the cause in
+    a few words, for messages that wrap this one."""
 
     exit_code = EXIT_UNREACHABLE
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason or message
 
 
 class JobNotFound(RaytfError):
@@ -233,13 +238,11 @@ class Jobs:
                 try:
                     info = await asyncio.to_thread(poller.info, job_id)
                     last_answer = time.monotonic()
-                except JobNotFound:
-                    raise
-                except RaytfError as exc:
+                except ClusterUnreachable as exc:  # a missing job (JobNotFound) ends the wait at once
                     if time.monotonic() - last_answer > LOST_CONTACT_S:
                         raise ClusterUnreachable(
                             f"lost contact with {self.address} for {LOST_CONTACT_S:g}s while following job {job_id} "
-                            f"({exc}); it may still be running: `raytf status {job_id} --address {self.address}`"
+                            f"({exc.reason}); it may still be running: `raytf status {job_id} --address {self.address}`"
                         ) from None
                     continue
                 if info.status.is_terminal():
@@ -274,11 +277,12 @@ class Jobs:
             raise ClusterUnreachable(
                 f"cannot reach the Ray Jobs API at {self.address} while {what} ({_reason(exc)}): start the "
                 f"port-forward with `ray dashboard cluster.yaml`, or pass --address http://HEAD:8265 "
-                f"(the dashboard port, not the GCS port 6379)") from None
+                f"(the dashboard port, not the GCS port 6379)", reason=_reason(exc)) from None
         except requests.exceptions.Timeout:
             raise ClusterUnreachable(f"no answer from the Ray Jobs API at {self.address} within "
                                      f"{self.read_timeout_s:g}s while {what}; is the head overloaded or the "
-                                     f"port-forward (`ray dashboard cluster.yaml`) stuck?") from None
+                                     f"port-forward (`ray dashboard cluster.yaml`) stuck?",
+                                     reason=f"no answer within {self.read_timeout_s:g}s") from None
         except (RuntimeError, ValueError, requests.exceptions.RequestException) as exc:
             message = _one_line(exc)
             if job_id is not None and ("does not exist" in message or "status code 404" in message):

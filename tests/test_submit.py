@@ -181,6 +181,43 @@ def test_without_the_token_the_error_says_how_to_send_it(head):
     assert missing.returncode == 1 and "no job 'raytf-t-00000000'" in missing.stderr
 
 
+FOLLOW_A_CLUSTER_THAT_DIES = textwrap.dedent('''
+    import sys
+    from raytf import submit as jobs_api
+
+    jobs_api.LOST_CONTACT_S = 5.0  # the deadline under test, shortened
+    jobs = jobs_api.Jobs(sys.argv[1])
+    job_id = jobs.client.submit_job(entrypoint="echo started; sleep 600")
+    try:
+        jobs.follow(job_id, note=lambda text: print(text, flush=True))
+    except jobs_api.ClusterUnreachable as exc:
+        print("unreachable:", exc, flush=True)
+        sys.exit(5)
+''')
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_following_a_cluster_that_goes_away_ends_with_a_clear_error_not_a_hang():
+    h, head_proc, _ = start_head(["--num-cpus=1"])
+    try:
+        follower = subprocess.Popen([sys.executable, "-c", FOLLOW_A_CLUSTER_THAT_DIES, h.address], env=h.env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        seen = []
+        for line in follower.stdout:  # the job's own output arrives through the log stream
+            seen.append(line)
+            if line.strip() == "started":
+                break
+        assert seen and seen[-1].strip() == "started", "".join(seen)[-3000:]
+    finally:
+        stop_head(head_proc, h)  # the whole cluster disappears mid-job
+    died = time.time()
+    rest = follower.communicate(timeout=120)[0]
+    assert follower.returncode == 5, rest[-3000:]
+    assert "unreachable: lost contact with http://127.0.0.1:" in rest and "raytf status raysubmit_" in rest
+    assert time.time() - died < 60  # LOST_CONTACT_S plus a poll or two, not forever
+
+
 # ---------------------------------------------------------------- no cluster needed
 
 
