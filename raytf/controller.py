@@ -105,19 +105,22 @@ class EpochFeed:
 
 def run(job: Job, group_cls: Callable[..., WorkerGroup] = WorkerGroup,
         display: ProgressDisplay | None = None, resume: bool = False,
-        on_epoch: Callable[[dict[str, Any]], None] | None = None, placement_group=None) -> Result:
+        on_epoch: Callable[[dict[str, Any]], None] | None = None, placement_group=None,
+        code_env: dict[str, Any] | None = None) -> Result:
     """Attempts until one succeeds or the failure policy gives up: each attempt reserves, starts,
     trains and tears down; a restart resumes from the latest checkpoint.
 
     `on_epoch(metrics)` is called once per finished epoch. `placement_group`: run in a group someone
-    else reserved (a Ray Tune trial's), one bundle per worker from index 0; it is not removed here."""
+    else reserved (a Ray Tune trial's), one bundle per worker from index 0; it is not removed here.
+    `code_env`: the actors' runtime env, already uploaded by `upload_code` (a sweep uploads the job
+    folder once, from the driver, for all its trials: a trial may run on a node without that folder)."""
     spec = job.spec
     display = display or ProgressDisplay(quiet=True)
     epochs = EpochFeed(display, on_epoch)
     started = time.time()
     result = Result(name=spec.name, strategy=spec.strategy, status="failed", output_dir=str(job.output_dir))
     storage = _checkpoint_storage(job, resume)
-    env = upload_code(runtime_env(job))
+    env = code_env if code_env is not None else upload_code(runtime_env(job))
     bad_checkpoints: set[str] = set()
     workers = spec.cluster.workers
     try:
