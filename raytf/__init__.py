@@ -2,6 +2,7 @@
 
     import raytf
     result = raytf.fit("jobs/digits.yaml", train__epochs=3)   # or overrides={"train.epochs": 3}
+    sweep = raytf.tune("jobs/digits-sweep.yaml")              # a Ray Tune sweep of distributed jobs
 """
 from __future__ import annotations
 
@@ -35,5 +36,25 @@ def fit(spec_or_path: "str | Mapping[str, Any] | JobSpec | Job", overrides: Mapp
         return controller.run(job, display=display, resume=resume)
 
 
-__all__ = ["fit", "Job", "JobSpec", "Result", "ProgressDisplay", "RaytfError", "SpecError", "PlacementTimeout",
+def tune(sweep_or_path: "str | Mapping[str, Any]", overrides: Mapping[str, Any] | None = None, *,
+         address: str | None = None, display: ProgressDisplay | None = None, resume: bool = False,
+         **dotted_overrides: Any):
+    """Run a Ray Tune sweep in which every trial is a distributed raytf job; return a SweepResult
+    (rows, best trial, best job spec and model, sweep.json, sweep.png).
+
+    `sweep_or_path`: a sweep YAML (a job spec plus a `tune:` section) or its mapping. Overrides as for
+    `fit`; `tune.space.<spec key>` sets one dimension. Every point is validated before any trial starts
+    (SpecError). `resume` continues a stopped sweep in the same output.dir. Ray as for `fit`.
+    """
+    from raytf import tuner
+    from raytf.session import ray_session
+
+    merged = dict(overrides or {})
+    merged.update({k.replace("__", "."): v for k, v in dotted_overrides.items()})
+    plan = tuner.prepare(sweep_or_path, merged)  # a bad sweep fails here, before Ray starts
+    with ray_session(address):
+        return tuner.run(plan, display=display, resume=resume)
+
+
+__all__ = ["fit", "tune", "Job", "JobSpec", "Result", "ProgressDisplay", "RaytfError", "SpecError", "PlacementTimeout",
            "WorkerStartupError", "TrainingFailed"]

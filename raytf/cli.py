@@ -79,6 +79,45 @@ def data_synth_criteo(out_dir: str, rows: int, files: int, row_group_size: int, 
     click.echo(f"raytf: wrote {rows:,} rows in {files} file(s) to {out_dir}")
 
 
+@main.command("tune")
+@click.argument("sweep_file", type=click.Path(dir_okay=False))
+@click.option("--address", default=None, help="Ray cluster to use ('auto' or HOST:PORT); default: an embedded local Ray.")
+@click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
+              help="Override a spec or tune key, e.g. --set train.epochs=3, --set tune.num_samples=2, "
+                   "--set 'tune.space.train.global_batch_size={grid: [64, 128]}' (repeatable).")
+@click.option("--quiet", "-q", is_flag=True, help="No per-trial progress lines; only the table and the paths.")
+@click.option("--resume", is_flag=True, help="Continue the stopped sweep in output.dir (finished trials are kept).")
+def tune_command(sweep_file: str, address: str | None, settings: tuple[str, ...], quiet: bool, resume: bool) -> None:
+    """Sweep SWEEP_FILE (a job spec plus a tune: section) with Ray Tune; every trial is a distributed job.
+
+    Exit codes as for `run`; 1 also when no trial completed, 130 when interrupted (--resume continues)."""
+    from raytf import tune
+    from raytf.report import ProgressDisplay
+    from raytf.spec import parse_set_options
+
+    try:
+        result = tune(sweep_file, parse_set_options(list(settings)), address=address,
+                      display=ProgressDisplay(quiet=quiet), resume=resume)
+    except RaytfError as exc:
+        click.echo(f"raytf: error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        click.echo("raytf: interrupted; `raytf tune --resume` continues the sweep", err=True)
+        sys.exit(130)
+    click.echo(result.table)
+    if result.best is not None:
+        click.echo(f"raytf: best {result.best['point']}: {result.metric} {result.best['final']:.4g}; "
+                   f"job spec {result.best_spec_path}; model {result.best_model_path}")
+    click.echo(f"raytf: sweep {result.sweep_json}, plot {result.plot_path}")
+    if result.interrupted:
+        click.echo("raytf: interrupted; re-run with --resume to continue the unfinished trials", err=True)
+        sys.exit(130)
+    if result.best is None:
+        click.echo("raytf: error: no trial completed; see the error column above and each trial's result.json",
+                   err=True)
+        sys.exit(1)
+
+
 # ---------------------------------------------------------------- the Ray Jobs API: submit, status, logs, stop
 # Extra exit codes of these commands: 4 the job was stopped, 5 the Jobs API could not be reached or
 # refused the token. `submit` and `logs --follow` exit with the job's own code (0, 1, 2, 3, 130).

@@ -1,0 +1,363 @@
+"""The sweep file: a job spec plus a `tune:` section. Pure: parsing the tune section, expanding the space
+into points (each point validated as a job before any trial starts), learning-rate scaling with the
+global batch, and how many trials the cluster holds at once. No Ray, no TensorFlow.
+
+    tune:
+      metric: val_loss
+      mode: min
+      num_samples: 1
+      space:
+        train.global_batch_size: {grid: [64, 128]}
+        optimizer.learning_rate: {loguniform: [0.0001, 0.01]}
+      lr_scaling: {rule: linear, base_batch_size: 64}
+      scheduler: {name: asha, grace_period: 1}
+      max_concurrent_trials: auto
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import random
+from typing import Any, Callable, Literal, Mapping, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from raytf.errors import SpecError
+from raytf.spec import JobSpec, apply_overrides
+
+# Keys a sweep sets itself for every trial: a dimension over them would make trials overwrite each other.
+RESERVED_KEYS = ("name", "output.dir", "checkpoint.dir")
+# A random point that fails validation is drawn again, up to this many times, before the sweep gives up.
+MAX_DRAWS = 50
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Dimension:
+    """One axis of the space: `kind` grid|choice|uniform|loguniform and its values or bounds."""
+
+    kind: str
+    values: tuple
+
+    @property
+    def random(self) -> bool:
+        return self.kind != "grid"
+
+    def sample(self, rng: random.Random) -> Any:
+        if self.kind == "choice":
+            return rng.choice(self.values)
+        low, high = self.values
+        if self.kind == "uniform":
+            return rng.uniform(low, high)
+        return math.exp(rng.uniform(math.log(low), math.log(high)))
+
+
+_FORMS = "{grid: [a, b, ...]}, {choice: [a, b, ...]}, {uniform: [low, high]} or {loguniform: [low, high]}"
+
+
+def parse_dimension(key: str, raw: Any) -> Dimension:
+    if not isinstance(raw, Mapping) or len(raw) != 1 or next(iter(raw)) not in ("grid", "choice", "uniform", "loguniform"):
+        raise ValueError(f"{key}: {raw!r} is not a dimension; write {_FORMS}")
+    kind, values = next(iter(raw.items()))
+    if not isinstance(values, list) or not values:
+        raise ValueError(f"{key}: {kind} needs a non-empty list, got {values!r}")
+    if kind in ("uniform", "loguniform"):
+        if len(values) != 2 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            raise ValueError(f"{key}: {kind} needs two numbers [low, high], got {values!r}")
+        low, high = float(values[0]), float(values[1])
+        if not low < high:
+            raise ValueError(f"{key}: {kind} [{low:g}, {high:g}]: low must be below high")
+        if kind == "loguniform" and low <= 0:
+            raise ValueError(f"{key}: loguniform [{low:g}, {high:g}]: bounds must be above 0; e.g. [0.0001, 0.01]")
+        values = [low, high]
+    return Dimension(kind, tuple(values))
+
+
+class LrScaling(_Strict):
+    # The learning rate of a trial follows its global batch: linear (lr * batch/base), sqrt, or none.
+    rule: Literal["none", "linear", "sqrt"] = "none"
+    base_batch_size: int | None = Field(default=None, ge=1)  # default: the job's train.global_batch_size
+
+
+class SchedulerSpec(_Strict):
+    name: Literal["asha"]
+    grace_period: int = Field(default=1, ge=1)  # epochs every trial runs before it can be stopped
+    reduction_factor: float = Field(default=2, gt=1)
+    max_t: int | None = Field(default=None, ge=1)  # default: the most train.epochs of any trial
+
+
+class TuneSection(_Strict):
+    metric: str
+    mode: Literal["min", "max"]
+    num_samples: int = Field(default=1, ge=1)
+    space: dict[str, Dimension] = Field(default_factory=dict)
+    lr_scaling: LrScaling = LrScaling()
+    scheduler: SchedulerSpec | None = None
+    max_concurrent_trials: Union[Literal["auto"], int] = "auto"
+    seed: int = 0  # for the random dimensions
+
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+
+    @field_validator("space", mode="before")
+    @classmethod
+    def _dimensions(cls, raw: Any) -> dict[str, Dimension]:
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"expected a mapping of spec keys to dimensions, got {raw!r}")
+        out = {}
+        for key, value in raw.items():
+            if key in RESERVED_KEYS:
+                raise ValueError(f"{key}: set by the sweep for every trial; it cannot be a dimension")
+            out[str(key)] = value if isinstance(value, Dimension) else parse_dimension(key, value)
+        return out
+
+    @field_validator("max_concurrent_trials", mode="before")
+    @classmethod
+    def _count(cls, value):
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            return value
+        raise ValueError(f"{value!r} is not a trial count; use auto or a number >= 1")
+
+
+def split_sweep(raw: Mapping[str, Any], source: str) -> tuple[dict[str, Any], TuneSection]:
+    """A sweep file's mapping -> (the job spec part, the validated tune section)."""
+    if not isinstance(raw, Mapping):
+        raise SpecError(f"{source}: expected a mapping (a job spec plus a tune: section)")
+    job_raw = dict(raw)
+    tune_raw = job_raw.pop("tune", None)
+    if tune_raw is None:
+        raise SpecError(f"{source}: no tune: section; a sweep file is a job spec plus tune: {{metric, mode, space}} "
+                        f"(to train one job, use `raytf run {source}`)")
+    return job_raw, parse_tune(tune_raw, source)
+
+
+def parse_tune(raw: Any, source: str = "sweep") -> TuneSection:
+    if not isinstance(raw, Mapping):
+        raise SpecError(f"{source}: tune: expected a mapping with metric, mode and space, got {raw!r}")
+    try:
+        return TuneSection.model_validate(dict(raw))
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            where = ".".join(["tune", *(str(p) for p in err["loc"] if not str(p).startswith(("literal", "int")))])
+            if err["type"] == "extra_forbidden":
+                known = _known(err["loc"][:-1])
+                lines.append(f"{where}: unknown key; known keys here: {', '.join(known)}")
+            elif err["type"] == "missing":
+                lines.append(f"{where}: missing; add it to the tune section")
+            elif err["type"] == "value_error":
+                msg = err["msg"].removeprefix("Value error, ")
+                # A dimension's error starts with its spec key: tune.space.<key>: ...
+                lines.append(f"{where}.{msg}" if where == "tune.space" and not msg.startswith("expected") else f"{where}: {msg}")
+            elif err["type"] == "literal_error":
+                lines.append(f"{where}: {err['input']!r} is not one of {err['ctx']['expected']}")
+            else:
+                lines.append(f"{where}: {err['msg'].lower()} (got {err['input']!r})")
+        raise SpecError(f"{source}: " + "; ".join(dict.fromkeys(lines))) from None
+
+
+def _known(loc: tuple) -> list[str]:
+    model: type[BaseModel] = TuneSection
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        inner = [a for a in getattr(field.annotation, "__args__", (field.annotation,))
+                 if isinstance(a, type) and issubclass(a, BaseModel)] if field else []
+        if not inner:
+            break
+        model = inner[0]
+    return list(model.model_fields)
+
+
+def apply_sweep_overrides(raw: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """`--set` on a sweep file: job keys as for `raytf run`; `tune.space.<spec key>` sets one dimension
+    (its key has dots of its own)."""
+    plain = {k: v for k, v in overrides.items() if not k.startswith("tune.space.")}
+    out = apply_overrides(raw, plain)
+    for key, value in overrides.items():
+        if key.startswith("tune.space."):
+            tune = out.setdefault("tune", {})
+            if not isinstance(tune, dict):
+                raise SpecError(f"--set {key}: tune is not a section")
+            tune.setdefault("space", {})[key.removeprefix("tune.space.")] = value
+    return out
+
+
+# ---------------------------------------------------------------- learning rate
+
+
+def scale_lr(lr: float, batch: int, rule: str, base_batch: int) -> float:
+    """The learning rate for `batch`, given `lr` tuned at `base_batch`: linear (Goyal et al.) or sqrt."""
+    if rule == "none":
+        return lr
+    ratio = batch / base_batch
+    return lr * (ratio if rule == "linear" else math.sqrt(ratio))
+
+
+# ---------------------------------------------------------------- points
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    """One trial's configuration: the space's values, and the spec overrides that make its job."""
+
+    id: str
+    values: dict[str, Any]  # the space's values, as sampled (learning rate before scaling)
+    overrides: dict[str, Any]  # dotted spec keys -> values, scaled learning rate and repeat seed included
+    repeat: int = 0
+
+    @property
+    def learning_rate(self) -> float | None:
+        return self.overrides.get("optimizer.learning_rate")
+
+    def describe(self) -> str:
+        return "{" + ", ".join(f"{k}: {_short(v)}" for k, v in self.values.items()) + "}"
+
+
+def _short(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def point_overrides(values: Mapping[str, Any], base: JobSpec, section: TuneSection, repeat: int) -> dict[str, Any]:
+    """The spec overrides of one point: its values, then the learning rate scaled to its global batch,
+    then the seed of a repeat (repeat r of a point trains with train.seed + r, or repeats would be identical)."""
+    out = dict(values)
+    rule = section.lr_scaling.rule
+    if rule != "none":
+        lr = values.get("optimizer.learning_rate", base.optimizer.learning_rate)
+        batch = values.get("train.global_batch_size", base.train.global_batch_size)
+        base_batch = section.lr_scaling.base_batch_size or base.train.global_batch_size
+        if isinstance(lr, (int, float)) and isinstance(batch, int):  # else validation names the bad value
+            out["optimizer.learning_rate"] = scale_lr(float(lr), batch, rule, base_batch)
+    if repeat and "train.seed" not in values:
+        out["train.seed"] = base.train.seed + repeat
+    return out
+
+
+def expand(section: TuneSection, base: JobSpec, check: Callable[[str, dict[str, Any]], Any]) -> tuple[list[Point], list[dict]]:
+    """Every point of the sweep, each checked by `check(point_id, overrides)` (which raises SpecError for a
+    job that cannot run) before any trial starts. A grid point that fails is an error naming the point; a
+    random draw that fails is rejected and drawn again. Returns (points, rejected draws).
+
+    Order: for each sample, the grid's product (the first key varies slowest); random dimensions are drawn
+    from a generator seeded with tune.seed, so a sweep, and so its resume, always has the same points."""
+    grid_keys = [k for k, d in section.space.items() if not d.random]
+    random_dims = {k: d for k, d in section.space.items() if d.random}
+    combos = list(itertools.product(*(section.space[k].values for k in grid_keys)))
+    total = section.num_samples * len(combos)
+    width = max(2, len(str(total - 1)))
+    rng = random.Random(section.seed)
+    points, rejected = [], []
+    for repeat in range(section.num_samples):
+        for combo in combos:
+            pid = f"p{len(points):0{width}d}"
+            fixed = dict(zip(grid_keys, combo))
+            for draw in range(MAX_DRAWS if random_dims else 1):
+                values = {**fixed, **{k: d.sample(rng) for k, d in random_dims.items()}}
+                values = {k: values[k] for k in section.space}  # the space's order
+                overrides = point_overrides(values, base, section, repeat)
+                point = Point(pid, values, overrides, repeat)
+                try:
+                    check(pid, overrides)
+                except SpecError as exc:
+                    if not random_dims:
+                        raise SpecError(f"point {pid} {point.describe()} cannot run: {exc}") from None
+                    rejected.append({"point": pid, "values": values, "reason": str(exc)})
+                    continue
+                points.append(point)
+                break
+            else:
+                raise SpecError(f"point {pid}: none of {MAX_DRAWS} random draws {_fixed(fixed)}can run; the last: "
+                                f"{rejected[-1]['reason']}; narrow the random dimensions")
+    return points, rejected
+
+
+def _fixed(fixed: Mapping[str, Any]) -> str:
+    return f"with {dict(fixed)} " if fixed else ""
+
+
+def reported_metrics(spec: JobSpec) -> list[str] | None:
+    """The metrics raytf's loop reports each epoch; None when a train_fn reports its own."""
+    if spec.train_fn is not None:
+        return None
+    names = ["loss", *spec.metrics]
+    if spec.data is not None and spec.data.validation is not None:
+        names += [f"val_{n}" for n in names]
+    return names
+
+
+def check_metric(section: TuneSection, spec: JobSpec, source: str) -> None:
+    known = reported_metrics(spec)
+    if known is not None and section.metric not in known:
+        raise SpecError(f"{source}: tune.metric: {section.metric!r} is not reported by this job; "
+                        f"it reports {', '.join(known)}")
+
+
+# ---------------------------------------------------------------- capacity
+
+
+def _fits(free: dict[str, float], need: Mapping[str, float]) -> bool:
+    return all(free.get(k, 0.0) + 1e-9 >= v for k, v in need.items())
+
+
+def _take(free: dict[str, float], need: Mapping[str, float]) -> None:
+    for k, v in need.items():
+        free[k] = free.get(k, 0.0) - v
+
+
+def place(nodes: list[dict[str, float]], bundles: list[dict[str, float]], strategy: str) -> bool:
+    """Place one trial's bundles on the nodes' free resources (mutated only on success), the way Ray's
+    placement strategies allow: PACK prefers one node, SPREAD prefers distinct nodes, STRICT_* insist."""
+    strategy = strategy.upper()
+    total: dict[str, float] = {}
+    for b in bundles:
+        for k, v in b.items():
+            total[k] = total.get(k, 0.0) + v
+    if strategy in ("PACK", "STRICT_PACK"):
+        for node in nodes:
+            if _fits(node, total):
+                _take(node, total)
+                return True
+        if strategy == "STRICT_PACK":
+            return False
+    trial = [dict(n) for n in nodes]
+    used: set[int] = set()
+    for bundle in bundles:
+        order = [i for i in range(len(trial)) if i not in used]
+        if strategy != "STRICT_SPREAD":
+            order += sorted(used)
+        spot = next((i for i in order if _fits(trial[i], bundle)), None)
+        if spot is None:
+            return False
+        _take(trial[spot], bundle)
+        used.add(spot)
+    for node, after in zip(nodes, trial):
+        node.clear()
+        node.update(after)
+    return True
+
+
+def trials_that_fit(nodes: list[Mapping[str, float]], bundles: list[dict[str, float]], strategy: str,
+                    limit: int = 10_000) -> int:
+    """How many copies of one trial (its bundles) the nodes hold at once."""
+    free = [dict(n) for n in nodes]
+    count = 0
+    while count < limit and place(free, bundles, strategy):
+        count += 1
+    return count
+
+
+def auto_concurrency(nodes: list[Mapping[str, float]], trials: list[tuple[list[dict[str, float]], str]],
+                     num_trials: int) -> int:
+    """`max_concurrent_trials: auto`: as many trials as the cluster holds of its largest trial shape, at
+    most the number of trials. 0 means the largest trial does not fit the cluster at all.
+    Tune reserves each trial's placement group whole, so trials never hold part of what another waits for;
+    capping at what fits keeps Tune from queueing groups the cluster cannot give."""
+    if not trials:
+        return 0
+    shapes = {(tuple(tuple(sorted(b.items())) for b in bundles), strategy) for bundles, strategy in trials}
+    fit = min(trials_that_fit(nodes, [dict(b) for b in bundles], strategy, limit=num_trials)
+              for bundles, strategy in shapes)
+    return min(fit, num_trials)

@@ -1,0 +1,161 @@
+"""What a sweep leaves behind: the table of trials, the best trial (a ready-to-run job spec and its model),
+sweep.json, and a picture of the metric over global batch size x learning rate. Pure except for writing
+files; matplotlib is imported only to draw."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from raytf.spec import apply_overrides
+
+COMPLETED, STOPPED, ERROR, UNFINISHED = "completed", "stopped early", "error", "unfinished"
+
+
+@dataclasses.dataclass
+class SweepResult:
+    name: str
+    metric: str
+    mode: str
+    output_dir: str
+    rows: list[dict[str, Any]]  # one per trial, in point order
+    best: dict[str, Any] | None  # the completed trial with the best final metric
+    best_spec_path: str | None
+    best_model_path: str | None
+    sweep_json: str
+    plot_path: str | None
+    table: str
+    max_concurrent_trials: int
+    rejected: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    wall_s: float | None = None
+    utilization: float | None = None  # busy CPU-seconds (trial time x reserved CPUs) / available CPU-seconds
+    interrupted: bool = False  # trials left unfinished: `--resume` continues them
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def trial_status(tune_status: str, epochs: int, planned_epochs: int) -> str:
+    """Tune's status plus what happened: a trial Tune terminated before its last epoch was stopped early."""
+    if tune_status == "ERROR":
+        return ERROR
+    if tune_status == "TERMINATED":
+        return COMPLETED if epochs >= planned_epochs else STOPPED
+    return UNFINISHED
+
+
+def best_of(values: list[float], mode: str) -> float | None:
+    finite = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    if not finite:
+        return None
+    return min(finite) if mode == "min" else max(finite)
+
+
+def best_row(rows: list[dict[str, Any]], mode: str) -> dict[str, Any] | None:
+    """The completed trial with the best final metric: its saved model is that final state, which an
+    early-stopped trial does not have."""
+    done = [r for r in rows if r["status"] == COMPLETED and r["final"] is not None and math.isfinite(r["final"])]
+    if not done:
+        return None
+    key = (lambda r: r["final"]) if mode == "min" else (lambda r: -r["final"])
+    return min(done, key=key)
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
+    return str(value)
+
+
+def table(rows: list[dict[str, Any]], metric: str, space_keys: list[str], best: dict[str, Any] | None) -> str:
+    """One line per trial: point, status, its values, the learning rate it ran with, final and best metric,
+    epochs, seconds. The best trial is marked with *."""
+    short = [k.rsplit(".", 1)[-1] for k in space_keys]
+    columns = ["", "point", "status", *short, "lr", f"final {metric}", f"best {metric}", "epochs", "time (s)"]
+    lines = []
+    for r in rows:
+        mark = "*" if best is not None and r["point"] == best["point"] else ""
+        lines.append([mark, r["point"], r["status"], *(_fmt(r["config"].get(k)) for k in space_keys),
+                      _fmt(r["learning_rate"]), _fmt(r["final"]), _fmt(r["best"]), str(r["epochs"]),
+                      _fmt(None if r["time_s"] is None else round(r["time_s"], 1))])
+    widths = [max(len(c), *(len(line[i]) for line in lines)) if lines else len(c) for i, c in enumerate(columns)]
+    fmt = lambda cells: "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()  # noqa: E731
+    errors = [f"{r['point']} error: {r['error']}" for r in rows if r.get("error")]
+    return "\n".join([fmt(columns), fmt(["-" * w for w in widths])] + [fmt(line) for line in lines] + errors)
+
+
+def best_spec_yaml(job_raw: Mapping[str, Any], overrides: Mapping[str, Any], header: str) -> str:
+    """The job spec of the best trial: the sweep's job part with the trial's values (learning rate as
+    scaled), no tune section; `overrides` also renames it and points output.dir elsewhere."""
+    raw = apply_overrides(job_raw, overrides)
+    comment = "".join(f"# {line}\n" for line in header.splitlines())
+    return comment + yaml.safe_dump(raw, sort_keys=False, default_flow_style=None, width=110)
+
+
+def write_text(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)  # readers never see half a file
+    return path
+
+
+def write_json(path: Path, data: Any) -> Path:
+    return write_text(path, json.dumps(data, indent=2, default=str) + "\n")
+
+
+def plot(rows: list[dict[str, Any]], metric: str, mode: str, path: Path, title: str) -> Path | None:
+    """The final metric of each trial over global batch size (x, log2) and learning rate (y, log): one dot
+    per trial, coloured and labelled by its value; early-stopped trials hollow, the best one starred."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; no display
+    import matplotlib.pyplot as plt
+
+    shown = [r for r in rows if r["final"] is not None and math.isfinite(r["final"])
+             and r["global_batch_size"] and r["learning_rate"]]
+    fig, ax = plt.subplots(figsize=(6.4, 4.8), dpi=110)
+    best = best_row(rows, mode)
+    if shown:
+        xs = [r["global_batch_size"] for r in shown]
+        ys = [r["learning_rate"] for r in shown]
+        vs = [r["final"] for r in shown]
+        cmap = "viridis_r" if mode == "min" else "viridis"
+        full = [r["status"] == COMPLETED for r in shown]
+        points = ax.scatter(xs, ys, c=vs, cmap=cmap, s=220, edgecolors="black",
+                            linewidths=[1.0 if f else 2.0 for f in full])
+        for r, x, y, v, f in zip(shown, xs, ys, vs, full):
+            if not f:  # early-stopped: hollow, so its (early) value is not mistaken for a final one
+                ax.scatter([x], [y], s=90, c="white", edgecolors="none")
+            ax.annotate(f"{v:.3g}", (x, y), textcoords="offset points", xytext=(0, 13), ha="center", fontsize=8)
+        if not all(full):
+            ax.scatter([], [], s=60, c="white", edgecolors="black", linewidths=2.0, label="stopped early (hollow)")
+        if best is not None:
+            ax.scatter([best["global_batch_size"]], [best["learning_rate"]], marker="*", s=120, c="red", zorder=3,
+                       label=f"best: {best['point']}")
+        if best is not None or not all(full):
+            ax.legend(loc="best", fontsize=8)
+        fig.colorbar(points, ax=ax, label=f"final {metric}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(sorted(set(xs)), [str(x) for x in sorted(set(xs))])
+        ax.set_yticks(sorted(set(ys)), [f"{y:.3g}" for y in sorted(set(ys))])
+        ax.minorticks_off()
+        ax.margins(0.25)
+    else:
+        ax.text(0.5, 0.5, "no trial reported the metric", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("global batch size")
+    ax.set_ylabel("learning rate (as trained)")
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,368 @@
+"""Ray Tune sweeps in which every trial is a distributed raytf job.
+
+    raytf tune sweep.yaml      (or raytf.tune("sweep.yaml"))
+      prepare     sweep file -> base job + tune section; every point expanded and loaded as a job (imports,
+                  data, divisibility) before Ray is touched: a bad point is an error naming it
+      run         the job folder uploaded once; max_concurrent_trials from the cluster's nodes; one Tune
+                  trial per point, its placement group [{CPU: 0}, *worker bundles] (Tune drops the empty
+                  head bundle, so the worker bundles keep indexes 0..n-1, as controller.run expects)
+      trial       controller.run(job, on_epoch=tune.report, placement_group=the trial's group)
+      report      table, sweep.json, the best trial as a job spec, sweep.png (sweep_report)
+
+(The module is not called `tune` so that `raytf.tune`, the function, is never shadowed by it.)
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+from raytf import placement, spec as spec_lib, sweep, sweep_report
+from raytf.errors import PlacementTimeout, SpecError
+from raytf.report import ProgressDisplay
+from raytf.spec import Job, JobSpec
+from raytf.sweep_report import SweepResult
+
+EXPERIMENT = "tune"  # Tune's experiment folder inside the sweep's output.dir
+POINTS_FILE = "points.json"
+
+
+@dataclasses.dataclass
+class Plan:
+    """A validated sweep: the base job, the tune section and one loaded Job per point."""
+
+    source: str
+    job_raw: dict[str, Any]  # the sweep file's job part (overrides applied), for the best spec
+    base: Job
+    section: sweep.TuneSection
+    points: list[sweep.Point]
+    jobs: dict[str, Job]  # point id -> its job (output.dir <sweep output>/trials/<point id>)
+    rejected: list[dict[str, Any]]
+
+    @property
+    def output_dir(self) -> Path:
+        return self.base.output_dir
+
+    @property
+    def best_spec_path(self) -> Path:
+        stem = Path(self.source).stem if self.source.endswith((".yaml", ".yml")) else self.base.spec.name
+        return self.base.job_dir / f"{stem}.best.yaml"
+
+
+def trial_bundles(spec: JobSpec) -> list[dict[str, float]]:
+    """The placement group one trial's job needs (the one place that knows a job's bundles for Tune)."""
+    return placement.worker_bundles(spec.cluster)
+
+
+def prepare(source: "str | Path | Mapping[str, Any]", overrides: Mapping[str, Any] | None = None) -> Plan:
+    """Read, override and validate a sweep; load every point's job. No Ray; raises SpecError."""
+    if isinstance(source, Mapping):
+        raw, job_dir, name = dict(source), Path.cwd(), "sweep"
+    else:
+        path = Path(source).expanduser().resolve()
+        raw, job_dir, name = spec_lib.read_yaml(path), path.parent, str(source)
+    raw = sweep.apply_sweep_overrides(raw, overrides or {})
+    job_raw, section = sweep.split_sweep(raw, name)
+    base_spec = spec_lib.parse(job_raw, name)
+    sweep.check_metric(section, base_spec, name)
+    base = Job(spec=base_spec, job_dir=job_dir, source=name)
+    out = base.output_dir
+    jobs: dict[str, Job] = {}
+
+    def check(pid: str, point_overrides: dict[str, Any]) -> None:
+        trial = {**point_overrides, "name": f"{base_spec.name}-{pid}", "output.dir": str(out / "trials" / pid)}
+        if base.checkpoint_dir is not None:  # trials must not share checkpoints
+            trial["checkpoint.dir"] = f"{base.checkpoint_dir.rstrip('/')}/{pid}"
+        try:
+            jobs[pid] = spec_lib.load(base, trial)
+        except SpecError as exc:
+            raise SpecError(str(exc).removeprefix(f"{name}: ")) from None
+
+    try:
+        points, rejected = sweep.expand(section, base_spec, check)
+    except SpecError as exc:
+        raise SpecError(f"{name}: {exc}") from None
+    return Plan(name, job_raw, base, section, points, {p.id: jobs[p.id] for p in points}, rejected)
+
+
+def concurrency(plan: Plan, nodes: list[Mapping[str, float]]) -> int:
+    """tune.max_concurrent_trials as a number: given, or (auto) what the nodes hold of the largest trial."""
+    wanted = plan.section.max_concurrent_trials
+    if wanted != "auto":
+        return min(wanted, len(plan.points))
+    shapes = [(trial_bundles(j.spec), j.spec.cluster.placement) for j in plan.jobs.values()]
+    fit = sweep.auto_concurrency(nodes, shapes, len(plan.points))
+    if fit == 0:
+        bundles, strategy = max(shapes, key=lambda s: sum(b.get("CPU", 0) + 100 * b.get("GPU", 0) for b in s[0]))
+        have = placement.total([{k: v for k, v in n.items() if k in ("CPU", "GPU")} for n in nodes])
+        raise PlacementTimeout(
+            f"{plan.source}: no trial fits this cluster: one asks for {len(bundles)} bundles of {bundles[0]} "
+            f"({strategy}); the cluster has {have} in {len(nodes)} node(s). Lower cluster.workers or the "
+            f"per-worker resources, add nodes, or set tune.max_concurrent_trials to a number to wait for an "
+            f"autoscaler to add them")
+    return fit
+
+
+# ---------------------------------------------------------------- inside a trial (a Tune actor)
+
+
+def _run_trial(config: dict[str, Any], jobs: dict[str, Job], code_env: dict[str, Any]) -> None:
+    """One trial: the point's job on the trial's placement group, each epoch reported to Tune.
+
+    The last epoch is reported only once the model is written: a scheduler stops a trial when it reaches
+    max_t, and a stop ends this actor (and, with it, the raytf actors it owns) at once."""
+    import ray
+    from ray import tune
+
+    from raytf import controller
+    from raytf.checkpoint import Storage
+
+    job = jobs[config["point"]]
+    last_epoch = job.spec.train.epochs
+    held: list[dict[str, Any]] = []
+
+    def report(metrics: dict[str, Any]) -> None:
+        numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if numbers.get("epoch") == last_epoch:
+            held.append(numbers)
+        else:
+            tune.report(numbers)
+
+    resume = job.checkpoint_dir is not None and Storage(job.checkpoint_dir).latest() is not None
+    controller.run(job, on_epoch=report, placement_group=ray.util.get_current_placement_group(),
+                   code_env=code_env, resume=resume)
+    for metrics in held:
+        tune.report(metrics)
+
+
+def _trial_name(trial) -> str:
+    return f"{trial.config['point']}_{trial.trial_id}"
+
+
+def _progress_callback(quiet: bool, descriptions: dict[str, str], metric: str, epochs: dict[str, int]):
+    from ray.tune import Callback
+
+    class Progress(Callback):
+        """One line per trial start, epoch, end and error. Pickled with the Tuner's state (for resume):
+        it keeps only plain data and opens its display on first use."""
+
+        def __init__(self):
+            self.quiet, self.descriptions, self.metric, self.epochs = quiet, descriptions, metric, epochs
+            self._display = None
+
+        def __getstate__(self):
+            return {k: v for k, v in self.__dict__.items() if k != "_display"}
+
+        def __setstate__(self, state):
+            self.__dict__.update(state, _display=None)
+
+        def _say(self, text: str) -> None:
+            if self._display is None:
+                self._display = ProgressDisplay(quiet=self.quiet)
+            self._display.message(text)
+
+        def on_trial_start(self, iteration, trials, trial, **info):
+            pid = trial.config["point"]
+            self._say(f"raytf: {pid} started: {self.descriptions.get(pid, '')}")
+
+        def on_trial_result(self, iteration, trials, trial, result, **info):
+            pid = trial.config["point"]
+            value = result.get(self.metric)
+            shown = f"{value:.4f}" if isinstance(value, float) else str(value)
+            self._say(f"raytf: {pid} epoch {result.get('epoch', result.get('training_iteration'))}/"
+                      f"{self.epochs.get(pid, '?')}: {self.metric} {shown}")
+
+        def on_trial_complete(self, iteration, trials, trial, **info):
+            self._say(f"raytf: {trial.config['point']} ended")
+
+        def on_trial_error(self, iteration, trials, trial, **info):
+            self._say(f"raytf: {trial.config['point']} failed (see the table at the end)")
+
+    return Progress()
+
+
+# ---------------------------------------------------------------- the driver
+
+
+def run(plan: Plan, display: ProgressDisplay | None = None, resume: bool = False) -> SweepResult:
+    """Run (or, with `resume`, continue) the sweep on the Ray this process is connected to."""
+    import ray
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+
+    from raytf import controller
+
+    display = display or ProgressDisplay(quiet=True)
+    out = plan.output_dir
+    experiment = out / EXPERIMENT
+    restoring = _check_state(plan, resume, experiment, display)
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    limit = concurrency(plan, nodes)
+    display.message(f"raytf: sweep {plan.base.spec.name}: {len(plan.points)} trials, up to {limit} at once"
+                    + (f" ({len(plan.rejected)} random draws rejected)" if plan.rejected else "")
+                    + f"; output {out}")
+    sweep_report.write_json(out / POINTS_FILE, _points_state(plan))
+
+    code_env = controller.upload_code(controller.runtime_env(plan.base))
+    factories = {pid: tune.PlacementGroupFactory([{"CPU": 0}, *trial_bundles(job.spec)],
+                                                 strategy=job.spec.cluster.placement.upper())
+                 for pid, job in plan.jobs.items()}
+    trainable = tune.with_resources(tune.with_parameters(_run_trial, jobs=plan.jobs, code_env=code_env),
+                                    resources=lambda config: factories[config["point"]])
+    section = plan.section
+    started = time.time()
+    if restoring:
+        display.message(f"raytf: resuming the sweep in {experiment}")
+        tuner = tune.Tuner.restore(str(experiment), trainable=trainable, resume_unfinished=True)
+    else:
+        scheduler = None
+        if section.scheduler is not None:
+            s = section.scheduler
+            scheduler = ASHAScheduler(time_attr="training_iteration", grace_period=s.grace_period,
+                                      reduction_factor=s.reduction_factor,
+                                      max_t=s.max_t or max(j.spec.train.epochs for j in plan.jobs.values()))
+        descriptions = {p.id: p.describe() for p in plan.points}
+        epochs = {pid: j.spec.train.epochs for pid, j in plan.jobs.items()}
+        tuner = tune.Tuner(
+            trainable,
+            param_space={"point": tune.grid_search([p.id for p in plan.points])},
+            tune_config=tune.TuneConfig(metric=section.metric, mode=section.mode, scheduler=scheduler,
+                                        max_concurrent_trials=limit, trial_name_creator=_trial_name,
+                                        trial_dirname_creator=_trial_name),
+            run_config=tune.RunConfig(name=EXPERIMENT, storage_path=str(out), verbose=0,
+                                      callbacks=[_progress_callback(display.quiet, descriptions,
+                                                                    section.metric, epochs)]),
+        )
+    with _quiet_tune_console():
+        tuner.fit()
+    wall = time.time() - started
+    return _collect(plan, experiment, limit, wall, float(ray.cluster_resources().get("CPU", 0)))
+
+
+@contextlib.contextmanager
+def _quiet_tune_console():
+    """Tune's console tables give way to raytf's one line per trial event: with RAY_AIR_NEW_OUTPUT=0 and
+    verbose=0 Tune prints nothing (its new output still prints a banner at verbose=0)."""
+    before = os.environ.get("RAY_AIR_NEW_OUTPUT")
+    os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
+        else:
+            os.environ["RAY_AIR_NEW_OUTPUT"] = before
+
+
+def _points_state(plan: Plan) -> list[dict[str, Any]]:
+    return json.loads(json.dumps([{"id": p.id, "values": p.values, "overrides": p.overrides} for p in plan.points]))
+
+
+def _check_state(plan: Plan, resume: bool, experiment: Path, display: ProgressDisplay) -> bool:
+    """Whether to restore. A sweep folder that already holds a sweep needs --resume, and the same points."""
+    from ray.tune import Tuner
+
+    exists = Tuner.can_restore(str(experiment))
+    if not resume:
+        if exists:
+            raise SpecError(f"{plan.source}: output.dir {plan.output_dir} already holds a sweep; pass --resume to "
+                            f"continue it, or choose another output.dir (e.g. --set output.dir=...)")
+        return False
+    if not exists:
+        display.message(f"raytf: --resume: no sweep in {plan.output_dir} yet; starting it")
+        return False
+    saved_file = plan.output_dir / POINTS_FILE
+    saved = json.loads(saved_file.read_text()) if saved_file.exists() else None
+    if saved is not None and saved != _points_state(plan):
+        now = {p["id"]: p for p in _points_state(plan)}
+        changed = next((p for p in saved if now.get(p["id"]) != p), saved[0] if saved else None)
+        detail = f" (point {changed['id']} was {changed['values']}, now {now.get(changed['id'], {}).get('values')})" \
+            if changed else ""
+        raise SpecError(f"{plan.source}: the sweep changed since it was started in {plan.output_dir}{detail}; "
+                        f"undo the change to resume it, or choose another output.dir")
+    return True
+
+
+def _collect(plan: Plan, experiment: Path, limit: int, wall: float, cluster_cpus: float) -> SweepResult:
+    """Rows from Tune's stored trials and raytf's result.json files; then every output of the sweep."""
+    from ray.tune import ExperimentAnalysis
+
+    section = plan.section
+    analysis = ExperimentAnalysis(str(experiment), default_metric=section.metric, default_mode=section.mode)
+    by_point = {p.id: p for p in plan.points}
+    rows = []
+    for trial in analysis.trials:
+        pid = trial.config["point"]
+        point, job = by_point[pid], plan.jobs[pid]
+        frame = analysis.trial_dataframes.get(trial.trial_id)
+        history = [float(v) for v in frame[section.metric]] if frame is not None and section.metric in frame else []
+        last = trial.last_result or {}
+        epochs = int(last.get("epoch", len(history)) or 0)
+        result_file = job.output_dir / "result.json"
+        saved = json.loads(result_file.read_text()) if result_file.exists() else {}
+        rows.append({
+            "point": pid, "trial_id": trial.trial_id,
+            "status": sweep_report.trial_status(trial.status, epochs, job.spec.train.epochs),
+            "config": point.values,
+            "global_batch_size": job.spec.train.global_batch_size,
+            "learning_rate": job.spec.optimizer.learning_rate,
+            "workers": job.spec.cluster.workers,
+            "final": history[-1] if history else None,
+            "best": sweep_report.best_of(history, section.mode),
+            "history": history,
+            "epochs": epochs,
+            "time_s": last.get("time_total_s"),
+            "cpus": sum(b.get("CPU", 0) for b in trial_bundles(job.spec)),
+            "output_dir": str(job.output_dir),
+            "model_path": saved.get("model_path"),
+            "error": _error_line(trial) if trial.status == "ERROR" else None,
+        })
+    rows.sort(key=lambda r: r["point"])
+    best = sweep_report.best_row(rows, section.mode)
+    out = plan.output_dir
+    best_spec_path = None
+    if best is not None:
+        point = by_point[best["point"]]
+        rel_out = _relative(out / "best", plan.base.job_dir)
+        header = (f"The best trial of the sweep {plan.source} ({best['point']}: {section.metric} "
+                  f"{best['final']:.4g} after {best['epochs']} epochs).\n"
+                  f"Run it: raytf run {_relative(plan.best_spec_path, Path.cwd())}")
+        text = sweep_report.best_spec_yaml(plan.job_raw, {**point.overrides, "name": f"{plan.base.spec.name}-best",
+                                                          "output.dir": rel_out}, header)
+        best_spec_path = str(sweep_report.write_text(plan.best_spec_path, text))
+    busy = sum((r["time_s"] or 0) * r["cpus"] for r in rows)
+    utilization = busy / (wall * cluster_cpus) if wall > 0 and cluster_cpus > 0 else None
+    space_keys = list(section.space)
+    text_table = sweep_report.table(rows, section.metric, space_keys, best)
+    plot_path = sweep_report.plot(rows, section.metric, section.mode, out / "sweep.png",
+                                  f"{plan.base.spec.name}: final {section.metric} ({section.mode})")
+    result = SweepResult(
+        name=plan.base.spec.name, metric=section.metric, mode=section.mode, output_dir=str(out), rows=rows,
+        best=best, best_spec_path=best_spec_path, best_model_path=best["model_path"] if best else None,
+        sweep_json=str(out / "sweep.json"), plot_path=str(plot_path) if plot_path else None, table=text_table,
+        max_concurrent_trials=limit, rejected=plan.rejected, wall_s=round(wall, 3),
+        utilization=None if utilization is None else round(utilization, 4),
+        interrupted=any(r["status"] == sweep_report.UNFINISHED for r in rows) or len(rows) < len(plan.points))
+    sweep_report.write_json(out / "sweep.json", result.to_dict())
+    return result
+
+
+def _relative(path: Path, base: Path) -> str:
+    try:
+        return os.path.relpath(path, base)
+    except ValueError:  # another drive
+        return str(path)
+
+
+def _error_line(trial) -> str:
+    """The last line of the trial's error (the exception and its message)."""
+    try:
+        text = trial.get_error() or ""
+    except OSError:
+        text = ""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1][:500] if lines else "failed"
