@@ -5,6 +5,7 @@ Exit codes: 0 success, 1 training or startup failed, 2 bad job spec, 3 resources
 """
 from __future__ import annotations
 
+import signal
 import sys
 
 import click
@@ -16,6 +17,10 @@ from raytf.errors import RaytfError
 @click.version_option(package_name="raytf")
 def main() -> None:
     """Distributed TensorFlow training on Ray."""
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 @main.command()
@@ -32,6 +37,9 @@ def run(job_file: str, address: str | None, settings: tuple[str, ...], quiet: bo
     from raytf.spec import parse_set_options
 
     display = ProgressDisplay(quiet=quiet)
+    # `ray job stop` / `raytf stop` send SIGTERM: take the Ctrl-C path, so actors, the placement group
+    # and result.json are dealt with before exiting.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         result = fit(job_file, parse_set_options(list(settings)), address=address, display=display, resume=resume)
     except RaytfError as exc:

@@ -20,12 +20,12 @@ from raytf.errors import PlacementTimeout, PortTaken, SpecError, TrainingFailed,
 from raytf.failure import Failure
 from raytf.group import WorkerGroup, describe, root_cause
 from raytf.report import ProgressDisplay, Result, summary_table, write_artifacts
-from raytf.spec import Job, JobSpec, code_root
+from raytf.spec import Job, JobSpec, modules_outside
 from raytf.worker_api import WorkerPayload
 
 RENDEZVOUS_ATTEMPTS = 3  # fresh ports each time; a port lost twice in a row is already rare
 POLL_INTERVAL_S = 1.0
-PEER_ERROR_GRACE_S = 5.0  # after a rank fails, how long to collect the others' errors before teardown
+PEER_ERROR_GRACE_S = 2.0  # after a rank fails, how long to collect the others' errors before teardown
 
 
 def build_payload(job: Job) -> WorkerPayload:
@@ -43,16 +43,7 @@ def build_payload(job: Job) -> WorkerPayload:
 def runtime_env(job: Job) -> dict[str, Any]:
     """The job folder travels to every actor as its working directory; modules found only in the
     driver's working directory travel as py_modules. Outputs stay behind."""
-    spec = job.spec
-    extra_modules = []
-    for ref in (spec.model, spec.dataset_fn, spec.train_fn):
-        if ref is None:
-            continue
-        top = ref.partition(":")[0].split(".")[0]
-        root = code_root(top, job.job_dir)
-        if root is not None and root != job.job_dir:
-            path = root / top if (root / top).is_dir() else root / f"{top}.py"
-            extra_modules.append(str(path))
+    extra_modules = modules_outside(job.job_dir, [job.spec.model, job.spec.dataset_fn, job.spec.train_fn])
     excludes = [".git", "__pycache__"]
     try:
         excludes.append("/" + str(job.output_dir.relative_to(job.job_dir)))
@@ -61,7 +52,7 @@ def runtime_env(job: Job) -> dict[str, Any]:
     env = {"working_dir": str(job.job_dir), "excludes": excludes,
            "env_vars": {"TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}}
     if extra_modules:
-        env["py_modules"] = sorted(set(extra_modules))
+        env["py_modules"] = extra_modules
     return env
 
 
@@ -123,6 +114,7 @@ def run(job: Job, group_cls: Callable[..., WorkerGroup] = WorkerGroup,
     env = code_env if code_env is not None else upload_code(runtime_env(job))
     bad_checkpoints: set[str] = set()
     workers = spec.cluster.workers
+    held = _HeldGroup(placement_group)
     try:
         while True:
             resume_from = storage.latest(exclude=bad_checkpoints) if storage and (resume or result.restarts) else None
@@ -131,8 +123,7 @@ def run(job: Job, group_cls: Callable[..., WorkerGroup] = WorkerGroup,
                                           checkpoint_dir=job.checkpoint_dir, resume_from=resume_from)
             try:
                 tasks, outcomes = _attempt(job, attempt_spec, payload, group_cls, env, display, result,
-                                           elastic=bool(result.restarts), epochs=epochs,
-                                           placement_group=placement_group)
+                                           elastic=bool(result.restarts), epochs=epochs, held=held)
                 break
             except AttemptFailed as failed:
                 decision = failure_lib.decide(failed.failure, _counted(result.restarts), spec.failure.max_restarts)
@@ -154,8 +145,12 @@ def run(job: Job, group_cls: Callable[..., WorkerGroup] = WorkerGroup,
         result.wall_s = round(time.time() - started, 3)
         result.write()
         raise
+    finally:
+        held.release()
 
     chief = outcomes[0]
+    if result.restarts:  # when training was back on its feet after the last failure
+        result.restarts[-1]["first_step_at"] = chief.get("first_step_at")
     epochs.feed(chief["history"])  # the epochs that ended after the last poll
     write_artifacts(job.output_dir, chief.pop("artifacts", {}))
     result.status = "succeeded"
@@ -227,14 +222,38 @@ def _reserve(spec: JobSpec, display: ProgressDisplay, elastic: bool):
     raise AssertionError("unreachable")
 
 
+class _HeldGroup:
+    """The placement group kept across attempts: a restart re-uses it (the resources are never let go,
+    so no other job can take them meanwhile, and Ray moves bundles off a dead node by itself); it is
+    replaced only when it cannot be ready again in time. A group given by the caller is never removed."""
+
+    def __init__(self, given=None):
+        self.given, self.pg, self.bundles = given, given, None
+
+    def release(self) -> None:
+        if self.pg is not None and self.given is None:
+            placement.release(self.pg)
+        self.pg = None
+
+    def get(self, spec: JobSpec, display: ProgressDisplay, elastic: bool):
+        if self.given is not None:
+            return self.given, placement.worker_bundles(spec.cluster)
+        if self.pg is not None:
+            ready, _ = ray.wait([self.pg.ready()], timeout=spec.cluster.reserve_timeout_s)
+            if ready:
+                return self.pg, self.bundles
+            display.message("raytf: the placement group did not come back in time; reserving anew")
+            self.release()
+        self.pg, self.bundles = _reserve(spec, display, elastic)
+        return self.pg, self.bundles
+
+
 def _attempt(job: Job, spec: JobSpec, payload: WorkerPayload, group_cls, env: dict, display: ProgressDisplay,
-             result: Result, elastic: bool, epochs: EpochFeed, placement_group=None):
-    """Reserve, start, rendezvous, train; always tear down. Returns (tasks, outcomes by rank)."""
+             result: Result, elastic: bool, epochs: EpochFeed, held: _HeldGroup):
+    """Reserve (or re-use the held group), start, rendezvous, train; always stop the actors.
+    Returns (tasks, outcomes by rank)."""
     phase = _PhaseClock(result.phases, time.time())
-    if placement_group is not None:
-        pg, bundles = placement_group, placement.worker_bundles(spec.cluster)
-    else:
-        pg, bundles = _reserve(spec, display, elastic)
+    pg, bundles = held.get(spec, display, elastic)
     if len(bundles) != spec.cluster.workers:
         spec = _with_workers(spec, len(bundles))
         payload = dataclasses.replace(payload, spec=spec)
@@ -268,8 +287,6 @@ def _attempt(job: Job, spec: JobSpec, payload: WorkerPayload, group_cls, env: di
     finally:
         if group is not None:
             group.stop()
-        if placement_group is None:
-            placement.release(pg)
 
 
 def _start(group: WorkerGroup, payload: WorkerPayload, timeout_s: float) -> list[rendezvous.Task]:
@@ -328,8 +345,11 @@ def _fail(tasks: list[rendezvous.Task], rank_of: dict, failed_ref, exc: BaseExce
     """Collect the peers' errors for a moment (often broken collectives, as a consequence), then raise
     the aggregate: root cause first, identical errors grouped by rank."""
     errors = [_rank_error(rank_of[failed_ref], exc)]
+    # A dead actor explains its peers' trouble (they are stuck in a collective and would only time
+    # out): don't wait for them. Otherwise give them a moment to report their own errors.
+    grace = 0.0 if errors[0].kind == "actor_died" else PEER_ERROR_GRACE_S
     if pending:
-        done, _ = ray.wait(pending, num_returns=len(pending), timeout=PEER_ERROR_GRACE_S)
+        done, _ = ray.wait(pending, num_returns=len(pending), timeout=grace)
         for ref in done:
             try:
                 ray.get(ref)

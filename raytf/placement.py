@@ -12,7 +12,8 @@ def worker_bundles(cluster: ClusterSpec) -> list[dict[str, float]]:
     """One bundle per worker. Zero-valued resources are left out: Ray rejects empty ones."""
     bundle = {"CPU": cluster.cpus_per_worker, "GPU": cluster.gpus_per_worker}
     bundle = {k: v for k, v in bundle.items() if v > 0}
-    return [dict(bundle) for _ in range(cluster.workers)] if bundle else [{"CPU": 0.001}] * cluster.workers
+    bundle = bundle or {"CPU": 0.001}  # Ray refuses empty bundles
+    return [dict(bundle) for _ in range(cluster.workers)]
 
 
 def total(bundles: list[dict[str, float]]) -> dict[str, float]:

@@ -360,6 +360,20 @@ def code_root(module: str, job_dir: Path) -> Path | None:
     return None
 
 
+def modules_outside(job_dir: Path, refs: list[str | None]) -> list[str]:
+    """The top-level modules of `module:function` refs that are found in the working directory but not
+    in the job folder: they must travel to the cluster as py_modules (the job folder travels anyway)."""
+    paths = set()
+    for ref in refs:
+        if ref is None:
+            continue
+        top = ref.partition(":")[0].split(".")[0]
+        root = code_root(top, job_dir)
+        if root is not None and root != job_dir:
+            paths.add(str(root / top) if (root / top).is_dir() else str(root / f"{top}.py"))
+    return sorted(paths)
+
+
 def resolve_function(ref: str, job_dir: Path, key: str = "model"):
     """Import `module:function` (job folder, then working directory, then installed) and return it."""
     module_name, _, func_name = ref.partition(":")

@@ -100,26 +100,12 @@ def prepare(job_file: str | Path, settings: Sequence[str] = ()) -> Submission:
         # The driver's output reaches the log stream as it is written, not when a buffer fills.
         "env_vars": {"PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")},
     }
-    extra = _modules_outside(job_dir, [spec.model, spec.dataset_fn, spec.train_fn])
+    extra = spec_lib.modules_outside(job_dir, [spec.model, spec.dataset_fn, spec.train_fn])
     if extra:
         runtime_env["py_modules"] = extra
     return Submission(name=spec.name, submission_id=f"raytf-{spec.name}-{uuid.uuid4().hex[:8]}",
                       entrypoint=shlex.join(argv), runtime_env=runtime_env,
                       metadata={"raytf_job": spec.name, "job_file": path.name}, job_dir=job_dir)
-
-
-def _modules_outside(job_dir: Path, refs: list[str | None]) -> list[str]:
-    """Modules found only in the submitter's working directory travel as py_modules (as `raytf run`
-    does for its actors); on the cluster the job folder is the working directory."""
-    paths = set()
-    for ref in refs:
-        if ref is None:
-            continue
-        top = ref.partition(":")[0].split(".")[0]
-        root = spec_lib.code_root(top, job_dir)
-        if root is not None and root != job_dir:
-            paths.add(str(root / top) if (root / top).is_dir() else str(root / f"{top}.py"))
-    return sorted(paths)
 
 
 def resolve_address(address: str | None) -> str:

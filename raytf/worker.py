@@ -5,10 +5,12 @@ TensorFlow is imported only in `setup`, after TF_CONFIG is in the environment.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import socket
 import tempfile
+import threading
 import time
 import traceback
 from typing import Any
@@ -32,6 +34,10 @@ class TaskActor:
         self._ctx: TaskContext | None = None
         self._strategy = None
         self._staging = tempfile.mkdtemp(prefix="raytf-task-")
+        # Import TensorFlow while the rendezvous goes on (seconds of CPU; reading TF_CONFIG and starting
+        # the server happen later, in setup). setup waits for this import through Python's import lock.
+        self._tf_import = threading.Thread(target=importlib.import_module, args=("tensorflow",), daemon=True)
+        self._tf_import.start()
 
     def report(self) -> ActorReport:
         ctx = ray.get_runtime_context()
@@ -53,6 +59,7 @@ class TaskActor:
         os.environ["TF_CONFIG"] = tf_config
         self._ctx = TaskContext(task.rank, world_size, payload.spec, self._staging, payload)
         self.release_port()
+        self._tf_import.join()
         import tensorflow as tf
 
         # Size TF's thread pools to the CPUs this actor reserved (as Ray does for OMP_NUM_THREADS):

@@ -59,7 +59,7 @@ class TaskContext:
         self._lock = threading.Lock()
         self._report_interval_s = report_interval_s
         self._last_report = 0.0
-        self._progress: dict[str, Any] = {"rank": rank, "phase": "starting", "global_step": 0,
+        self._progress: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "phase": "starting", "global_step": 0,
                                           "updated": time.time()}
         self.first_step_at: float | None = None
         self._epochs: list[dict[str, Any]] = []
