@@ -211,9 +211,9 @@ def _reserve(spec: JobSpec, display: ProgressDisplay, elastic: bool):
     for i, workers in enumerate(sizes):
         bundles = placement.worker_bundles(spec.cluster.model_copy(update={"workers": workers}))
         timeout = spec.cluster.reserve_timeout_s if i == 0 else min(10.0, spec.cluster.reserve_timeout_s)
-        display.message(f"raytf: reserving {len(bundles)} x {bundles[0]} ({spec.cluster.placement})")
+        display.message(f"raytf: reserving {len(bundles)} x {bundles[0]} ({spec.cluster.effective_placement})")
         try:
-            return placement.reserve(bundles, spec.cluster.placement, timeout,
+            return placement.reserve(bundles, spec.cluster.effective_placement, timeout,
                                      name=f"raytf-{spec.name}-{os.getpid()}"), bundles
         except PlacementTimeout:
             if i == len(sizes) - 1:

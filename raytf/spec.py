@@ -53,6 +53,10 @@ class TrainSpec(_Strict):
     steps_per_epoch: int | None = Field(default=None, ge=1)
     seed: int = 0
     shuffle_buffer: int = Field(default=10_000, ge=0)
+    # Mixed precision: 16-bit compute, float32 variables (mixed_float16 adds loss scaling). GPUs: float16
+    # on V100/T4/A10, bfloat16 on A100/H100/TPU-class hardware.
+    precision: Literal["float32", "mixed_float16", "mixed_bfloat16"] = "float32"
+    jit_compile: bool = False  # XLA-compile each replica's forward and backward pass
 
 
 class ClusterSpec(_Strict):
@@ -60,8 +64,27 @@ class ClusterSpec(_Strict):
     cpus_per_worker: float = Field(default=1.0, ge=0)
     gpus_per_worker: float = Field(default=0.0, ge=0)
     placement: Literal["pack", "spread", "strict_pack", "strict_spread"] = "pack"
+    # per_gpu: one worker per GPU (gpus_per_worker <= 1, fractions share a GPU); per_node: one worker
+    # per node using all gpus_per_worker GPUs of it (MirroredStrategy inside the node, collectives
+    # across nodes), placed strict_spread. None: as the other keys say.
+    gpu_placement: Literal["per_gpu", "per_node"] | None = None
+    gpu_memory_growth: bool = True  # allocate GPU memory as needed, so fractional-GPU workers can share
     reserve_timeout_s: float = Field(default=60.0, gt=0)
     start_timeout_s: float = Field(default=120.0, gt=0)
+
+    @model_validator(mode="after")
+    def _gpu_placement(self) -> "ClusterSpec":
+        if self.gpu_placement == "per_gpu" and not 0 < self.gpus_per_worker <= 1:
+            raise ValueError(f"cluster.gpu_placement per_gpu needs 0 < gpus_per_worker <= 1, got "
+                             f"{self.gpus_per_worker:g}; use gpu_placement: per_node for several GPUs per worker")
+        if self.gpu_placement == "per_node" and (self.gpus_per_worker < 1 or self.gpus_per_worker % 1):
+            raise ValueError(f"cluster.gpu_placement per_node needs gpus_per_worker = the GPUs of a node "
+                             f"(a whole number >= 1), got {self.gpus_per_worker:g}")
+        return self
+
+    @property
+    def effective_placement(self) -> str:
+        return "strict_spread" if self.gpu_placement == "per_node" else self.placement
 
     @property
     def replicas_per_worker(self) -> int:

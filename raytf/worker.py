@@ -64,6 +64,9 @@ class TaskActor:
 
         # Size TF's thread pools to the CPUs this actor reserved (as Ray does for OMP_NUM_THREADS):
         # several workers on one node otherwise each spawn a pool per core and fight over them.
+        if payload.spec.cluster.gpu_memory_growth:  # before any GPU is initialised
+            for gpu in tf.config.list_physical_devices("GPU"):
+                tf.config.experimental.set_memory_growth(gpu, True)
         cpus = payload.spec.cluster.cpus_per_worker
         if cpus >= 1:
             tf.config.threading.set_intra_op_parallelism_threads(int(cpus))

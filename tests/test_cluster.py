@@ -91,6 +91,24 @@ def test_a_multi_file_directory_is_read_exactly_once_per_epoch_with_pad(cluster,
     assert_nothing_left()
 
 
+def test_per_node_gpus_mixed_bfloat16_and_xla(cluster, job_dir):
+    _, gpu_nodes = cluster
+    spec = base_spec(train={"epochs": 2, "global_batch_size": 64, "precision": "mixed_bfloat16", "jit_compile": True},
+                     cluster={"workers": 2, "cpus_per_worker": 0.5, "gpus_per_worker": 2, "gpu_placement": "per_node"})
+    result = raytf.fit(write_job(job_dir, spec))
+    assert {t["node_id"] for t in result.tasks} == {n.node_id for n in gpu_nodes}  # one worker per node
+    assert all(sorted(t["cuda_visible_devices"].split(",")) == ["0", "1"] for t in result.tasks)  # all its GPUs
+    assert len({t["weights_digest"] for t in result.tasks}) == 1
+    losses = [h["loss"] for h in result.history]
+    assert losses[1] < losses[0]
+    import keras
+
+    model = keras.models.load_model(result.model_path)
+    assert model.layers[0].dtype_policy.name == "mixed_bfloat16"  # 16-bit compute, float32 weights
+    assert all(w.dtype == "float32" for w in model.get_weights())
+    assert_nothing_left()
+
+
 class PortThiefGroup(WorkerGroup):
     """Steals rank 1's port between the rendezvous and TensorFlow's bind, once."""
 

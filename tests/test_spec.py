@@ -110,3 +110,15 @@ def test_cli_exits_2_with_a_one_line_error(job_dir):
     assert result.exit_code == 2 and "no such job file" in result.output
     result = CliRunner().invoke(main, ["run", str(path), "--set", "nokey"])
     assert result.exit_code == 2 and "expected KEY=VALUE" in result.output
+
+
+def test_gpu_placement_policies_are_checked_and_per_node_spreads():
+    assert "per_gpu needs 0 < gpus_per_worker <= 1, got 2" in error_of(
+        base_spec(cluster={"gpu_placement": "per_gpu", "gpus_per_worker": 2}))
+    assert "per_node needs gpus_per_worker = the GPUs of a node" in error_of(
+        base_spec(cluster={"gpu_placement": "per_node", "gpus_per_worker": 0.5}))
+    spec = parse(base_spec(cluster={"gpu_placement": "per_node", "gpus_per_worker": 2, "workers": 2},
+                           train={"global_batch_size": 64}))
+    assert spec.cluster.effective_placement == "strict_spread" and spec.cluster.replicas == 4
+    assert parse(base_spec(cluster={"gpu_placement": "per_gpu", "gpus_per_worker": 0.5})).cluster.replicas == 2
+    assert "'float8' is not one of" in error_of(base_spec(train={"precision": "float8"}))

@@ -38,6 +38,7 @@ def run(strategy: tf.distribute.Strategy, payload: WorkerPayload, ctx: TaskConte
     per_replica = global_batch // replicas
 
     model_fn = payload.function("model")
+    keras.mixed_precision.set_global_policy(spec.train.precision)
     with strategy.scope():
         model = model_fn()
         if not isinstance(model, keras.Model):
@@ -49,7 +50,8 @@ def run(strategy: tf.distribute.Strategy, payload: WorkerPayload, ctx: TaskConte
     loss_fn = steps_lib.build_loss(spec)
     train_acc = steps_lib.Accumulator(steps_lib.build_metrics(spec))
     eval_acc = steps_lib.Accumulator(steps_lib.build_metrics(spec))
-    fns = steps_lib.make_step_functions(strategy, model, optimizer, loss_fn, train_acc, eval_acc, global_batch)
+    fns = steps_lib.make_step_functions(strategy, model, optimizer, loss_fn, train_acc, eval_acc, global_batch,
+                                        jit_compile=spec.train.jit_compile)
 
     plan = _Plan(payload, ctx.world_size, global_batch, per_replica, local_replicas)
     writer = _summary_writer(ctx) if ctx.is_chief and spec.output.tensorboard else None

@@ -42,8 +42,12 @@ def build_loss(spec: JobSpec) -> Callable:
 
 
 def build_optimizer(spec: JobSpec) -> keras.optimizers.Optimizer:
-    return keras.optimizers.get({"class_name": spec.optimizer.name,
-                                 "config": {"learning_rate": spec.optimizer.learning_rate, **spec.optimizer.options}})
+    optimizer = keras.optimizers.get({"class_name": spec.optimizer.name,
+                                      "config": {"learning_rate": spec.optimizer.learning_rate,
+                                                 **spec.optimizer.options}})
+    if spec.train.precision == "mixed_float16":  # float16 gradients underflow without loss scaling
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+    return optimizer
 
 
 def build_metrics(spec: JobSpec) -> dict[str, keras.metrics.Metric]:
@@ -111,25 +115,40 @@ class StepFunctions:
     global_sum: Callable  # (local vector) -> vector summed over all workers (a collective)
 
 
+def _float32(pred):
+    """Model outputs in float32 for the loss and metrics (mixed precision computes in 16 bits)."""
+    return tf.nest.map_structure(lambda t: tf.cast(t, tf.float32) if t.dtype.is_floating else t, pred)
+
+
 def make_step_functions(strategy: tf.distribute.Strategy, model: keras.Model, optimizer, loss_fn,
-                        train_acc: Accumulator, eval_acc: Accumulator, global_batch_size: int) -> StepFunctions:
+                        train_acc: Accumulator, eval_acc: Accumulator, global_batch_size: int,
+                        jit_compile: bool = False) -> StepFunctions:
     local_replicas = len(strategy.extended.worker_devices)
 
     def _model_losses():
-        return tf.add_n(model.losses) if model.losses else 0.0
+        return tf.add_n([tf.cast(v, tf.float32) for v in model.losses])
 
-    def train_replica(x, y, weight=None):
+    def gradients(x, y, weight=None):
+        """Forward and backward pass of one replica (XLA-compiled with train.jit_compile; the
+        gradient all-reduce in apply_gradients stays outside the compiled part)."""
         with tf.GradientTape() as tape:
-            pred = model(x, training=True)
+            pred = _float32(model(x, training=True))
             per_example = loss_fn(y, pred)
             if weight is not None:  # padding rows (data.remainder: pad) weigh 0
                 per_example = per_example * tf.cast(weight, per_example.dtype)
             loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch_size)
             if model.losses:
                 loss += tf.nn.scale_regularization_loss(_model_losses())
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return train_acc.delta(y, pred, per_example, weight)
+            scaled = optimizer.scale_loss(loss)  # mixed_float16: loss scaling; otherwise the loss itself
+        grads = tape.gradient(scaled, model.trainable_variables)
+        return grads, train_acc.delta(y, pred, per_example, weight)
+
+    compiled = tf.function(gradients, jit_compile=True) if jit_compile else gradients
+
+    def train_replica(x, y, weight=None):
+        grads, delta = compiled(x, y, weight)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))  # unscales under loss scaling
+        return delta
 
     @tf.function
     def train(iterator):
@@ -140,7 +159,7 @@ def make_step_functions(strategy: tf.distribute.Strategy, model: keras.Model, op
         return step[0] / tf.maximum(step[1], 1.0)
 
     def eval_replica(x, y, w):
-        pred = model(x, training=False)
+        pred = _float32(model(x, training=False))
         return eval_acc.delta(y, pred, loss_fn(y, pred), weight=w)
 
     @tf.function
