@@ -48,6 +48,12 @@ class Plan:
         return self.base.output_dir
 
     @property
+    def max_t(self) -> int:
+        """The scheduler's last rung, in epochs: given, or the most train.epochs of any trial."""
+        given = self.section.scheduler.max_t if self.section.scheduler else None
+        return given or max(j.spec.train.epochs for j in self.jobs.values())
+
+    @property
     def best_spec_path(self) -> Path:
         stem = Path(self.source).stem if self.source.endswith((".yaml", ".yml")) else self.base.spec.name
         return self.base.job_dir / f"{stem}.best.yaml"
@@ -86,7 +92,11 @@ def prepare(source: "str | Path | Mapping[str, Any]", overrides: Mapping[str, An
         points, rejected = sweep.expand(section, base_spec, check)
     except SpecError as exc:
         raise SpecError(f"{name}: {exc}") from None
-    return Plan(name, job_raw, base, section, points, {p.id: jobs[p.id] for p in points}, rejected)
+    plan = Plan(name, job_raw, base, section, points, {p.id: jobs[p.id] for p in points}, rejected)
+    if section.scheduler is not None and section.scheduler.grace_period > plan.max_t:
+        raise SpecError(f"{name}: tune.scheduler.grace_period {section.scheduler.grace_period} is more than "
+                        f"max_t {plan.max_t} (epochs); lower grace_period or raise train.epochs")
+    return plan
 
 
 def concurrency(plan: Plan, nodes: list[Mapping[str, float]]) -> int:
@@ -208,6 +218,7 @@ def run(plan: Plan, display: ProgressDisplay | None = None, resume: bool = False
     sweep_report.write_json(out / POINTS_FILE, _points_state(plan))
 
     code_env = controller.upload_code(controller.runtime_env(plan.base))
+    _unpack_everywhere(code_env, display)
     factories = {pid: tune.PlacementGroupFactory([{"CPU": 0}, *trial_bundles(job.spec)],
                                                  strategy=job.spec.cluster.placement.upper())
                  for pid, job in plan.jobs.items()}
@@ -223,8 +234,7 @@ def run(plan: Plan, display: ProgressDisplay | None = None, resume: bool = False
         if section.scheduler is not None:
             s = section.scheduler
             scheduler = ASHAScheduler(time_attr="training_iteration", grace_period=s.grace_period,
-                                      reduction_factor=s.reduction_factor,
-                                      max_t=s.max_t or max(j.spec.train.epochs for j in plan.jobs.values()))
+                                      reduction_factor=s.reduction_factor, max_t=plan.max_t)
         descriptions = {p.id: p.describe() for p in plan.points}
         epochs = {pid: j.spec.train.epochs for pid, j in plan.jobs.items()}
         tuner = tune.Tuner(
@@ -241,6 +251,28 @@ def run(plan: Plan, display: ProgressDisplay | None = None, resume: bool = False
         tuner.fit()
     wall = time.time() - started
     return _collect(plan, experiment, limit, wall, float(ray.cluster_resources().get("CPU", 0)))
+
+
+def _unpack_everywhere(code_env: dict[str, Any], display: ProgressDisplay, timeout_s: float = 120.0) -> None:
+    """Unpack the job folder on every node before any trial starts. Ray unpacks a working_dir on a node
+    the first time that node's runtime-env agent meets it, replacing any copy already there: where nodes
+    share a disk (several raylets on one machine, as in ray.cluster_utils), a later trial's first actor on
+    one node would pull the folder from under the running actors of another node (their working directory
+    vanishes: FileNotFoundError). Unpacking first also takes the download off every trial's start."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    @ray.remote(num_cpus=0, max_retries=0)
+    def unpacked() -> str:
+        return os.getcwd()
+
+    refs = [unpacked.options(runtime_env=code_env, scheduling_strategy=NodeAffinitySchedulingStrategy(
+        node["NodeID"], soft=False)).remote() for node in ray.nodes() if node.get("Alive")]
+    try:
+        ray.get(refs, timeout=timeout_s)
+    except Exception as exc:  # best effort: trials unpack it themselves anyway
+        display.message(f"raytf: could not unpack the job folder on every node first ({type(exc).__name__}); "
+                        f"trials will unpack it as they start")
 
 
 @contextlib.contextmanager

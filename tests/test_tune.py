@@ -1,0 +1,302 @@
+"""Sweeps: the space, learning-rate scaling and concurrency as pure functions; then real Ray Tune sweeps
+on the local multi-node cluster, every trial a 2-worker raytf job."""
+import json
+import math
+import os
+import signal
+import threading
+import time
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+import raytf
+from raytf import sweep, sweep_report
+from raytf.cli import main
+from raytf.errors import SpecError
+from raytf.spec import apply_overrides, load, parse
+from tests.conftest import assert_nothing_left, base_spec, write_job
+
+TUNE = {"metric": "val_loss", "mode": "min"}
+
+
+def section(**fields):
+    return sweep.parse_tune({**TUNE, **fields})
+
+
+def points_of(tune_fields, **spec_sections):
+    raw = base_spec(**spec_sections)
+    base = parse(raw)
+    return sweep.expand(section(**tune_fields), base, lambda pid, o: parse(apply_overrides(raw, o)))
+
+
+# ---------------------------------------------------------------- pure
+
+
+@pytest.mark.timeout(10)
+def test_a_grid_expands_in_order_with_the_learning_rate_scaled_to_each_batch():
+    points, rejected = points_of({"space": {"train.global_batch_size": {"grid": [64, 128]},
+                                            "optimizer.learning_rate": {"grid": [0.01, 0.02]}},
+                                  "lr_scaling": {"rule": "linear", "base_batch_size": 64}})
+    assert [p.id for p in points] == ["p00", "p01", "p02", "p03"] and rejected == []
+    assert [tuple(p.values.values()) for p in points] == [(64, 0.01), (64, 0.02), (128, 0.01), (128, 0.02)]
+    assert [p.learning_rate for p in points] == [0.01, 0.02, 0.02, 0.04]  # linear: x2 at twice the batch
+    assert all(p.overrides["train.global_batch_size"] == p.values["train.global_batch_size"] for p in points)
+
+
+@pytest.mark.timeout(10)
+def test_lr_scaling_rules():
+    assert sweep.scale_lr(0.1, 256, "linear", 64) == pytest.approx(0.4)
+    assert sweep.scale_lr(0.1, 256, "sqrt", 64) == pytest.approx(0.2)
+    assert sweep.scale_lr(0.1, 32, "linear", 64) == pytest.approx(0.05)
+    assert sweep.scale_lr(0.1, 256, "none", 64) == 0.1
+    # base_batch_size defaults to the job's own global batch (64 in base_spec); lr from the job when not swept
+    points, _ = points_of({"space": {"train.global_batch_size": {"grid": [256]}}, "lr_scaling": {"rule": "sqrt"}})
+    assert points[0].learning_rate == pytest.approx(0.01 * 2)
+
+
+@pytest.mark.timeout(10)
+def test_random_draws_are_seeded_and_those_that_cannot_run_are_rejected_not_kept():
+    fields = {"num_samples": 6, "seed": 3,
+              "space": {"cluster.workers": {"choice": [2, 3]}, "optimizer.learning_rate": {"loguniform": [1e-4, 1e-2]}}}
+    points, rejected = points_of(fields)  # global batch 64: 3 workers cannot split it
+    assert len(points) == 6 and all(p.values["cluster.workers"] == 2 for p in points)
+    assert rejected and all("not divisible by 3 replicas" in r["reason"] for r in rejected)
+    assert all(1e-4 <= p.learning_rate <= 1e-2 for p in points)
+    assert len({p.learning_rate for p in points}) == 6
+    again, _ = points_of(fields)
+    assert [p.values for p in again] == [p.values for p in points]  # same seed, same sweep (resume relies on it)
+    assert [p.overrides["train.seed"] for p in points[1:]] == [1, 2, 3, 4, 5]  # repeats differ by seed
+    assert "train.seed" not in points[0].overrides
+
+
+@pytest.mark.timeout(10)
+def test_a_grid_point_that_cannot_run_is_an_error_naming_the_point():
+    with pytest.raises(SpecError) as info:
+        points_of({"space": {"cluster.workers": {"grid": [2, 3]}}})
+    msg = str(info.value)
+    assert msg.startswith("point p01 {cluster.workers: 3} cannot run"), msg
+    assert "global_batch_size 64 is not divisible by 3 replicas" in msg and "use 63 or 66" in msg
+    with pytest.raises(SpecError, match="none of 50 random draws"):  # no draw of the random part can help
+        points_of({"space": {"cluster.workers": {"grid": [3]}, "optimizer.learning_rate": {"uniform": [0.1, 0.2]}}})
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("tune_fields, expected", [
+    ({"space": {"train.global_batch_size": [64, 128]}}, "tune.space.train.global_batch_size: [64, 128] is not a dimension; write {grid:"),
+    ({"space": {"optimizer.learning_rate": {"loguniform": [0, 0.1]}}}, "bounds must be above 0"),
+    ({"space": {"optimizer.learning_rate": {"uniform": [0.1]}}}, "uniform needs two numbers [low, high]"),
+    ({"space": {"output.dir": {"grid": ["a", "b"]}}}, "tune.space.output.dir: set by the sweep for every trial"),
+    ({"mode": "lowest"}, "tune.mode: 'lowest' is not one of 'min' or 'max'"),
+    ({"max_concurrent_trials": 0}, "tune.max_concurrent_trials: 0 is not a trial count; use auto or a number >= 1"),
+    ({"scheduler": {"name": "asha", "grace": 1}}, "tune.scheduler.grace: unknown key; known keys here: name, grace_period"),
+])
+def test_bad_tune_sections_name_the_key_and_the_fix(tune_fields, expected):
+    with pytest.raises(SpecError) as info:
+        sweep.parse_tune({**TUNE, **tune_fields}, "s.yaml")
+    assert expected in str(info.value)
+
+
+@pytest.mark.timeout(10)
+def test_the_metric_must_be_one_the_job_reports():
+    with pytest.raises(SpecError, match=r"'val_acc' is not reported by this job; it reports loss, accuracy, val_loss, val_accuracy"):
+        sweep.check_metric(section(metric="val_acc"), parse(base_spec()), "s.yaml")
+
+
+@pytest.mark.timeout(10)
+def test_set_reaches_a_dimension_whose_key_has_dots():
+    raw = {"tune": {**TUNE, "space": {}}, "train": {"epochs": 1}}
+    out = sweep.apply_sweep_overrides(raw, {"tune.space.train.global_batch_size": {"grid": [32]}, "train.epochs": 2})
+    assert out["tune"]["space"] == {"train.global_batch_size": {"grid": [32]}} and out["train"]["epochs"] == 2
+
+
+# The test cluster: a 1-CPU head and two 1-CPU nodes with 2 GPUs each.
+NODES = [{"CPU": 1.0, "memory": 1e9}, {"CPU": 1.0, "GPU": 2.0}, {"CPU": 1.0, "GPU": 2.0}]
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("bundles, strategy, expected", [
+    ([{"CPU": 0.5}] * 2, "PACK", 3),  # one trial per node
+    ([{"CPU": 0.25}] * 2, "PACK", 6),
+    ([{"CPU": 0.5, "GPU": 1}] * 2, "STRICT_SPREAD", 2),  # both GPU nodes, two trials
+    ([{"CPU": 0.5, "GPU": 1}] * 2, "STRICT_PACK", 2),  # a node holds one whole trial
+    ([{"CPU": 1}] * 2, "STRICT_PACK", 0),  # no node has 2 CPUs
+    ([{"CPU": 1}] * 2, "PACK", 1),  # PACK may split a trial over nodes
+    ([{"CPU": 0.5, "GPU": 3}], "PACK", 0),  # no node has 3 GPUs
+])
+def test_trials_that_fit_follow_the_placement_strategy(bundles, strategy, expected):
+    assert sweep.trials_that_fit(NODES, bundles, strategy) == expected
+
+
+@pytest.mark.timeout(10)
+def test_auto_concurrency_sizes_for_the_largest_trial_and_the_number_of_trials():
+    small, large = ([{"CPU": 0.5}] * 2, "PACK"), ([{"CPU": 0.5}] * 4, "PACK")
+    assert sweep.auto_concurrency(NODES, [small], num_trials=10) == 3
+    assert sweep.auto_concurrency(NODES, [small, large], num_trials=10) == 1  # 2 CPUs a trial: one at a time
+    assert sweep.auto_concurrency(NODES, [small], num_trials=2) == 2
+    assert sweep.auto_concurrency(NODES, [([{"CPU": 4}], "PACK")], num_trials=2) == 0
+
+
+@pytest.mark.timeout(10)
+def test_status_and_best_row():
+    assert sweep_report.trial_status("TERMINATED", 3, 3) == "completed"
+    assert sweep_report.trial_status("TERMINATED", 1, 3) == "stopped early"
+    assert sweep_report.trial_status("ERROR", 1, 3) == "error"
+    assert sweep_report.trial_status("PENDING", 0, 3) == "unfinished"
+    rows = [{"point": "a", "status": "completed", "final": 0.5}, {"point": "b", "status": "stopped early", "final": 0.1},
+            {"point": "c", "status": "completed", "final": 0.3}, {"point": "d", "status": "completed", "final": math.nan}]
+    assert sweep_report.best_row(rows, "min")["point"] == "c"  # b has no final model: it stopped early
+    assert sweep_report.best_row(rows, "max")["point"] == "a"
+    assert sweep_report.best_of([0.3, math.nan, 0.1, 0.2], "min") == 0.1
+
+
+# ---------------------------------------------------------------- the CLI, before any trial
+
+
+@pytest.mark.timeout(60)
+def test_an_invalid_grid_point_exits_2_before_any_trial_starts(job_dir):
+    spec = base_spec(tune={**TUNE, "space": {"cluster.workers": {"grid": [2, 3]},
+                                             "optimizer.learning_rate": {"grid": [0.01]}}})
+    path = write_job(job_dir, spec, "sweep.yaml")
+    result = CliRunner().invoke(main, ["tune", str(path)])
+    assert result.exit_code == 2, result.output
+    assert "point p01 {cluster.workers: 3, optimizer.learning_rate: 0.01} cannot run" in result.output
+    assert "global_batch_size 64 is not divisible by 3 replicas" in result.output and "Traceback" not in result.output
+    assert not (job_dir / "runs").exists()  # nothing started, nothing written
+
+
+# ---------------------------------------------------------------- real sweeps
+
+
+def sweep_file(job_dir, tune_fields, **sections):
+    spec = base_spec(**sections)
+    spec["tune"] = {**TUNE, **tune_fields}
+    return write_job(job_dir, spec, "sweep.yaml")
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_a_2x2_grid_of_2_worker_trials_completes_and_reports_the_real_best(cluster, job_dir):
+    path = sweep_file(job_dir, {"space": {"train.global_batch_size": {"grid": [48, 96]},
+                                          "optimizer.learning_rate": {"grid": [0.002, 0.02]}}},
+                      train={"epochs": 2})
+    result = raytf.tune(path)
+
+    assert result.max_concurrent_trials == 3  # 3 one-CPU nodes, trials of 2 x 0.5 CPU
+    assert [r["point"] for r in result.rows] == ["p00", "p01", "p02", "p03"]
+    assert all(r["status"] == "completed" and r["epochs"] == 2 for r in result.rows), result.table
+    finals = {r["point"]: r["final"] for r in result.rows}
+    assert result.best["point"] == min(finals, key=finals.get)  # really the best of the rows
+    assert result.best["final"] == min(finals.values())
+    for r in result.rows:
+        saved = json.loads((job_dir / "runs" / "t" / "trials" / r["point"] / "result.json").read_text())
+        batch = r["config"]["train.global_batch_size"]
+        assert saved["status"] == "succeeded" and saved["workers"] == 2  # each trial: its own 2-worker job
+        assert [h["examples"] for h in saved["history"]] == [1437 // batch * batch] * 2  # ran with its own batch
+        assert [h["val_loss"] for h in saved["history"]] == pytest.approx(r["history"])  # Tune saw every epoch
+        assert len({t["weights_digest"] for t in saved["tasks"]}) == 1
+    assert len({r["trial_id"] for r in result.rows}) == 4
+
+    best_spec = load(result.best_spec_path)  # a ready-to-run job: the best point's values, no tune section
+    assert best_spec.spec.train.global_batch_size == result.best["config"]["train.global_batch_size"]
+    assert best_spec.spec.optimizer.learning_rate == result.best["config"]["optimizer.learning_rate"]
+    assert "tune" not in yaml.safe_load(open(result.best_spec_path))
+    assert result.best_model_path == str(job_dir / "runs" / "t" / "trials" / result.best["point"] / "model.keras")
+    assert os.path.getsize(result.best_model_path) > 0
+    saved = json.loads(open(result.sweep_json).read())
+    assert len(saved["rows"]) == 4 and saved["best"]["point"] == result.best["point"]
+    assert open(result.plot_path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert 0 < result.utilization <= 1
+    assert result.table.count("\n") == 5 and "*  " + result.best["point"] in result.table
+    assert_nothing_left()
+
+
+class ActorWatch:
+    """Polls Ray's actor table: when each actor was last seen alive, its class and placement group."""
+
+    def __init__(self, interval_s=0.5):
+        self.seen, self.info, self.interval_s = {}, {}, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        from ray.util.state import list_actors
+
+        while not self._stop.is_set():
+            now = time.time()
+            for a in list_actors(filters=[("state", "=", "ALIVE")], detail=True, limit=10_000):
+                self.seen[a.actor_id] = now
+                self.info[a.actor_id] = (a.class_name, a.placement_group_id)
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_asha_stops_a_clearly_bad_trial_early_and_its_actors_die_with_it(cluster, job_dir):
+    path = sweep_file(job_dir, {"space": {"optimizer.learning_rate": {"grid": [0.01, 1e-7]}},
+                                "scheduler": {"name": "asha", "grace_period": 1, "reduction_factor": 2},
+                                "max_concurrent_trials": 1},  # the good trial reaches the first rung first
+                      train={"epochs": 3})
+    with ActorWatch() as watch:
+        result = raytf.tune(path)
+        time.sleep(2)  # a last look at the actor table
+
+    good, bad = result.rows
+    assert good["status"] == "completed" and good["epochs"] == 3, result.table
+    assert bad["status"] == "stopped early" and bad["epochs"] == 1, result.table
+    assert bad["final"] > good["history"][0]  # stopped for being worse than the good trial at epoch 1
+    assert result.best["point"] == good["point"]
+    assert not (job_dir / "runs" / "t" / "trials" / bad["point"] / "model.keras").exists()
+
+    # The bad trial's raytf actors ended with its Tune actor (they share its placement group), not later.
+    groups = {}
+    for actor_id, (class_name, group) in watch.info.items():
+        groups.setdefault(group, []).append((class_name, watch.seen[actor_id]))
+    trials = [g for g, members in groups.items() if g and sum(c == "TaskActor" for c, _ in members) == 2]
+    assert len(trials) == 2, groups
+    bad_group = max(trials, key=lambda g: max(t for _, t in groups[g]))  # the trial that ran second
+    trial_actor_gone = max(t for c, t in groups[bad_group] if c != "TaskActor")
+    workers_gone = [t for c, t in groups[bad_group] if c == "TaskActor"]
+    assert all(t - trial_actor_gone <= 2.0 for t in workers_gone), (trial_actor_gone, workers_gone)
+    assert_nothing_left()
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_a_stopped_sweep_continues_with_resume(cluster, job_dir):
+    path = sweep_file(job_dir, {"space": {"optimizer.learning_rate": {"grid": [0.01, 0.02]}},
+                                "max_concurrent_trials": 1}, train={"epochs": 1})
+    first = job_dir / "runs" / "t" / "trials" / "p00" / "result.json"
+
+    def interrupt_after_the_first_trial():  # as Ctrl-C would, once p00 is done
+        deadline = time.time() + 200
+        while time.time() < deadline:
+            if first.exists() and json.loads(first.read_text())["status"] == "succeeded":
+                os.kill(os.getpid(), signal.SIGINT)  # Tune catches it: saves its state and returns
+                return
+            time.sleep(0.2)
+
+    threading.Thread(target=interrupt_after_the_first_trial, daemon=True).start()
+    stopped = raytf.tune(path)
+    assert stopped.interrupted and [r["status"] for r in stopped.rows] == ["completed", "unfinished"], stopped.table
+    first_written = first.stat().st_mtime_ns
+    assert_nothing_left()
+
+    with pytest.raises(SpecError, match="already holds a sweep; pass --resume"):
+        raytf.tune(path)
+    resumed = raytf.tune(path, resume=True)
+    assert not resumed.interrupted
+    assert [r["status"] for r in resumed.rows] == ["completed", "completed"], resumed.table
+    assert [r["trial_id"] for r in resumed.rows] == [r["trial_id"] for r in stopped.rows]
+    assert first.stat().st_mtime_ns == first_written  # p00 was not run again
+    assert resumed.best is not None
+    assert_nothing_left()
