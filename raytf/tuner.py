@@ -331,7 +331,7 @@ def _collect(plan: Plan, experiment: Path, limit: int, wall: float, cluster_cpus
         pid = trial.config["point"]
         point, job = by_point[pid], plan.jobs[pid]
         frame = analysis.trial_dataframes.get(trial.trial_id)
-        history = [float(v) for v in frame[section.metric]] if frame is not None and section.metric in frame else []
+        history = _history(frame, section.metric)
         last = trial.last_result or {}
         epochs = int(last.get("epoch", len(history)) or 0)
         result_file = job.output_dir / "result.json"
@@ -381,6 +381,17 @@ def _collect(plan: Plan, experiment: Path, limit: int, wall: float, cluster_cpus
         interrupted=any(r["status"] == sweep_report.UNFINISHED for r in rows) or len(rows) < len(plan.points))
     sweep_report.write_json(out / "sweep.json", result.to_dict())
     return result
+
+
+def _history(frame, metric: str) -> list[float]:
+    """The metric per epoch, in order. A trial run again after a resume may have reported an epoch twice:
+    the later report wins."""
+    if frame is None or metric not in frame:
+        return []
+    if "epoch" not in frame:
+        return [float(v) for v in frame[metric]]
+    by_epoch = {int(e): float(v) for e, v in zip(frame["epoch"], frame[metric]) if e == e}  # e == e: not NaN
+    return [by_epoch[e] for e in sorted(by_epoch)]
 
 
 def _relative(path: Path, base: Path) -> str:
