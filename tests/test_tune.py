@@ -166,6 +166,40 @@ def test_an_invalid_grid_point_exits_2_before_any_trial_starts(job_dir):
     assert not (job_dir / "runs").exists()  # nothing started, nothing written
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("tune_fields, sections, expected", [
+    (None, {}, "no tune: section; a sweep file is a job spec plus tune:"),
+    ({"metric": "val_acc"}, {}, "tune.metric: 'val_acc' is not reported by this job"),
+    ({"scheduler": {"name": "asha", "grace_period": 3}}, {"train": {"epochs": 2}},
+     "tune.scheduler.grace_period 3 is more than max_t 2 (epochs)"),
+    ({"space": {"train.epochs": {"uniform": [1, 3]}}}, {}, "none of 50 random draws can run; the last: train.epochs"),
+])
+def test_a_bad_sweep_is_an_error_before_ray(job_dir, tune_fields, sections, expected):
+    from raytf import tuner
+
+    spec = base_spec(**sections)
+    if tune_fields is not None:
+        spec["tune"] = {**TUNE, **tune_fields}
+    with pytest.raises(SpecError) as info:
+        tuner.prepare(write_job(job_dir, spec, "sweep.yaml"))
+    assert expected in str(info.value) and str(info.value).startswith(str(job_dir / "sweep.yaml"))
+
+
+@pytest.mark.timeout(60)
+def test_a_trial_no_set_of_nodes_can_hold_is_exit_3_at_once(job_dir):
+    from raytf import tuner
+    from raytf.errors import PlacementTimeout
+
+    spec = base_spec(cluster={"workers": 2, "cpus_per_worker": 0.5, "gpus_per_worker": 3}, train={"global_batch_size": 60})
+    spec["tune"] = {**TUNE, "space": {"optimizer.learning_rate": {"grid": [0.01, 0.02]}}}
+    plan = tuner.prepare(write_job(job_dir, spec, "sweep.yaml"))
+    assert tuner.concurrency(plan, [{"CPU": 8, "GPU": 8}]) == 1  # both trials need 12 of the 8 GPUs together
+    with pytest.raises(PlacementTimeout, match=r"no trial fits this cluster: one asks for 2 bundles of .*'GPU': 3"):
+        tuner.concurrency(plan, NODES)
+    spec["tune"]["max_concurrent_trials"] = 2  # a number: trust it (an autoscaler may add the nodes)
+    assert tuner.concurrency(tuner.prepare(write_job(job_dir, spec, "sweep.yaml")), NODES) == 2
+
+
 # ---------------------------------------------------------------- real sweeps
 
 
