@@ -250,7 +250,7 @@ def run(plan: Plan, display: ProgressDisplay | None = None, resume: bool = False
     with _quiet_tune_console():
         tuner.fit()
     wall = time.time() - started
-    return _collect(plan, experiment, limit, wall, float(ray.cluster_resources().get("CPU", 0)))
+    return _collect(plan, experiment, limit, started, wall, float(ray.cluster_resources().get("CPU", 0)))
 
 
 def _unpack_everywhere(code_env: dict[str, Any], display: ProgressDisplay, timeout_s: float = 120.0) -> None:
@@ -319,7 +319,8 @@ def _check_state(plan: Plan, resume: bool, experiment: Path, display: ProgressDi
     return True
 
 
-def _collect(plan: Plan, experiment: Path, limit: int, wall: float, cluster_cpus: float) -> SweepResult:
+def _collect(plan: Plan, experiment: Path, limit: int, started: float, wall: float,
+             cluster_cpus: float) -> SweepResult:
     """Rows from Tune's stored trials and raytf's result.json files; then every output of the sweep."""
     from ray.tune import ExperimentAnalysis
 
@@ -348,6 +349,7 @@ def _collect(plan: Plan, experiment: Path, limit: int, wall: float, cluster_cpus
             "history": history,
             "epochs": epochs,
             "time_s": last.get("time_total_s"),
+            "reported_at": last.get("timestamp"),  # the last report, seconds since the epoch
             "cpus": sum(b.get("CPU", 0) for b in trial_bundles(job.spec)),
             "output_dir": str(job.output_dir),
             "model_path": saved.get("model_path"),
@@ -366,7 +368,8 @@ def _collect(plan: Plan, experiment: Path, limit: int, wall: float, cluster_cpus
         text = sweep_report.best_spec_yaml(plan.job_raw, {**point.overrides, "name": f"{plan.base.spec.name}-best",
                                                           "output.dir": rel_out}, header)
         best_spec_path = str(sweep_report.write_text(plan.best_spec_path, text))
-    busy = sum((r["time_s"] or 0) * r["cpus"] for r in rows)
+    # Utilization of this run only: trials that finished in an earlier run (before a resume) do not count.
+    busy = sum((r["time_s"] or 0) * r["cpus"] for r in rows if (r["reported_at"] or 0) >= int(started))
     utilization = busy / (wall * cluster_cpus) if wall > 0 and cluster_cpus > 0 else None
     space_keys = list(section.space)
     text_table = sweep_report.table(rows, section.metric, space_keys, best)
