@@ -107,7 +107,7 @@ def concurrency(plan: Plan, nodes: list[Mapping[str, float]]) -> int:
     shapes = [(trial_bundles(j.spec), j.spec.cluster.placement) for j in plan.jobs.values()]
     fit = sweep.auto_concurrency(nodes, shapes, len(plan.points))
     if fit == 0:
-        bundles, strategy = max(shapes, key=lambda s: sum(b.get("CPU", 0) + 100 * b.get("GPU", 0) for b in s[0]))
+        bundles, strategy = next(s for s in shapes if sweep.trials_that_fit(nodes, s[0], s[1], limit=1) == 0)
         have = placement.total([{k: v for k, v in n.items() if k in ("CPU", "GPU")} for n in nodes])
         raise PlacementTimeout(
             f"{plan.source}: no trial fits this cluster: one asks for {len(bundles)} bundles of {bundles[0]} "
