@@ -33,8 +33,23 @@ def describe(exc: BaseException) -> str:
     exc = root_cause(exc)
     if isinstance(exc, RayActorError):
         return f"actor died ({str(exc).splitlines()[0][:300]})"
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[-1] if text else ''}".strip()
+    return f"{type(exc).__name__}: {summary(str(exc))}".strip()
+
+
+_TF_PREAMBLE = ("Graph execution error", "Detected at node", "File ", "[[", "(most recent call last)")
+
+
+def summary(message: str, limit: int = 300) -> str:
+    """One line of an error message that names the cause: the first line, except where TensorFlow
+    opens with "Graph execution error:" and a traceback, whose cause is the last plain line (before
+    op lines such as `[[IteratorGetNext]]`)."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    if lines[0].startswith(_TF_PREAMBLE):
+        plain = [line for line in lines if not line.startswith(_TF_PREAMBLE) and not line.endswith(":")]
+        return (plain[-1] if plain else lines[-1])[:limit]
+    return lines[0][:limit]
 
 
 class WorkerGroup:

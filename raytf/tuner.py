@@ -104,7 +104,7 @@ def concurrency(plan: Plan, nodes: list[Mapping[str, float]]) -> int:
     wanted = plan.section.max_concurrent_trials
     if wanted != "auto":
         return min(wanted, len(plan.points))
-    shapes = [(trial_bundles(j.spec), j.spec.cluster.placement) for j in plan.jobs.values()]
+    shapes = [(trial_bundles(j.spec), j.spec.cluster.effective_placement) for j in plan.jobs.values()]
     fit = sweep.auto_concurrency(nodes, shapes, len(plan.points))
     if fit == 0:
         bundles, strategy = next(s for s in shapes if sweep.trials_that_fit(nodes, s[0], s[1], limit=1) == 0)
@@ -220,7 +220,7 @@ def run(plan: Plan, display: ProgressDisplay | None = None, resume: bool = False
     code_env = controller.upload_code(controller.runtime_env(plan.base))
     _unpack_everywhere(code_env, display)
     factories = {pid: tune.PlacementGroupFactory([{"CPU": 0}, *trial_bundles(job.spec)],
-                                                 strategy=job.spec.cluster.placement.upper())
+                                                 strategy=job.spec.cluster.effective_placement.upper())
                  for pid, job in plan.jobs.items()}
     trainable = tune.with_resources(tune.with_parameters(_run_trial, jobs=plan.jobs, code_env=code_env),
                                     resources=lambda config: factories[config["point"]])

@@ -39,3 +39,15 @@ def test_elastic_sizes_keep_the_global_batch_divisible():
     assert elastic_sizes(4, 2, 96, 1) == [4, 3, 2]
     assert elastic_sizes(4, 1, 64, 1) == [4, 2, 1]
     assert elastic_sizes(3, 3, 64, 1) == []
+
+
+def test_error_summaries_keep_the_line_that_names_the_cause():
+    from raytf.group import summary
+
+    assert summary("FileNotFoundError: no such file\n\t [[{{node IteratorGetNext}}]]") == \
+        "FileNotFoundError: no such file"
+    tf_error = ("Graph execution error:\n\nDetected at node loss defined at (most recent call last):\n"
+                "  File \"job.py\", line 3, in f\n\nIncompatible shapes: [16,10] vs. [16]\n"
+                "\t [[{{node loss}}]] [Op:__inference_train_1]")
+    assert summary(tf_error) == "Incompatible shapes: [16,10] vs. [16]"
+    assert summary("x" * 500) == "x" * 300
