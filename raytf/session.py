@@ -17,7 +17,9 @@ def ray_session(address: str | None = None) -> Iterator[None]:
     if address or os.environ.get("RAY_ADDRESS"):
         ray.init(address=address, log_to_driver=True)
     else:
-        ray.init(include_dashboard=False, log_to_driver=True)
+        # "local": a fresh Ray of our own. A bare ray.init() would join whatever cluster was started last
+        # on this machine (/tmp/ray/ray_current_cluster) -- someone else's, or a test's.
+        ray.init(address="local", include_dashboard=False, log_to_driver=True)
     try:
         yield
     finally:
