@@ -5,6 +5,7 @@ Exit codes: 0 success, 1 training or startup failed, 2 bad job spec, 3 resources
 """
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 
@@ -21,6 +22,19 @@ def main() -> None:
 
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _exit_on_error(interrupted: str = "raytf: interrupted"):
+    """A RaytfError becomes one line on stderr and its exit code; Ctrl-C exits 130 saying `interrupted`."""
+    try:
+        yield
+    except RaytfError as exc:
+        click.echo(f"raytf: error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        click.echo(interrupted, err=True)
+        sys.exit(130)
 
 
 @main.command()
@@ -40,14 +54,8 @@ def run(job_file: str, address: str | None, settings: tuple[str, ...], quiet: bo
     # `ray job stop` / `raytf stop` send SIGTERM: take the Ctrl-C path, so actors, the placement group
     # and result.json are dealt with before exiting.
     signal.signal(signal.SIGTERM, _interrupt)
-    try:
+    with _exit_on_error("raytf: interrupted; actors and placement group released"):
         result = fit(job_file, parse_set_options(list(settings)), address=address, display=display, resume=resume)
-    except RaytfError as exc:
-        click.echo(f"raytf: error: {exc}", err=True)
-        sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
-        click.echo("raytf: interrupted; actors and placement group released", err=True)
-        sys.exit(130)
     final = result.final
     shown = "  ".join(f"{k} {v:.4f}" for k, v in final.items() if isinstance(v, float) and k != "seconds")
     click.echo(f"raytf: {result.name} {result.status}: {shown}")
@@ -66,11 +74,8 @@ def data_inspect(path: str, workers: int) -> None:
     """Schema, row count, files, row groups of PATH (file, directory, glob or URI) and its split."""
     from raytf.data import inspect_report
 
-    try:
+    with _exit_on_error():
         click.echo(inspect_report(path, workers))
-    except RaytfError as exc:
-        click.echo(f"raytf: error: {exc}", err=True)
-        sys.exit(exc.exit_code)
 
 
 @data.command("synth-criteo")
@@ -103,15 +108,9 @@ def tune_command(sweep_file: str, address: str | None, settings: tuple[str, ...]
     from raytf.report import ProgressDisplay
     from raytf.spec import parse_set_options
 
-    try:
+    with _exit_on_error("raytf: interrupted; `raytf tune --resume` continues the sweep"):
         result = tune(sweep_file, parse_set_options(list(settings)), address=address,
                       display=ProgressDisplay(quiet=quiet), resume=resume)
-    except RaytfError as exc:
-        click.echo(f"raytf: error: {exc}", err=True)
-        sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
-        click.echo("raytf: interrupted; `raytf tune --resume` continues the sweep", err=True)
-        sys.exit(130)
     click.echo(result.table)
     if result.best is not None:
         click.echo(f"raytf: best {result.best['point']}: {result.metric} {result.best['final']:.4g}; "
@@ -136,14 +135,8 @@ _ADDRESS_HELP = ("The Ray Jobs API (the head's dashboard URL). Default: RAY_API_
 
 def _jobs_command(body) -> None:
     """Run a Jobs API command body; RaytfErrors become one line and their exit code."""
-    try:
+    with _exit_on_error():
         code = body()
-    except RaytfError as exc:
-        click.echo(f"raytf: error: {exc}", err=True)
-        sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
-        click.echo("raytf: interrupted", err=True)
-        sys.exit(130)
     sys.exit(code or 0)
 
 
