@@ -412,6 +412,15 @@ def _pack(info: DatasetInfo):
     return pack
 
 
+def _packed(ds, info: DatasetInfo):
+    """Columns -> (x, y[, w]). One feature is already in that shape: no map, so no per-batch op."""
+    import tensorflow as tf
+
+    if len(info.features) == 1:
+        return ds
+    return ds.map(_pack(info), num_parallel_calls=tf.data.AUTOTUNE)
+
+
 def train_dataset(info: DatasetInfo, root: str, shard: list[Slice], batch_size: int, batches_per_epoch: int,
                   shuffle_buffer: int, seed: int, first_epoch: int = 1, pad: bool = False):
     """This worker's training batches for all epochs, as one endless dataset: every epoch is exactly
@@ -426,7 +435,7 @@ def train_dataset(info: DatasetInfo, root: str, shard: list[Slice], batch_size: 
         lambda: epoch_chunks(info, root, shard, epoch_rows, shuffle_buffer, seed, first_epoch, pad),
         output_signature=_signature(info, weight=pad))
     ds = ds.rebatch(batch_size, drop_remainder=True)
-    return ds.map(_pack(info), num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
+    return _packed(ds, info).prefetch(tf.data.AUTOTUNE)
 
 
 def padded_chunks(info: DatasetInfo, root: str, shard: list[Slice], total_rows: int) -> Iterator[tuple]:
@@ -457,4 +466,4 @@ def eval_dataset(info: DatasetInfo, root: str, shard: list[Slice], batch_size: i
     if repeat:
         ds = ds.repeat()
     ds = ds.rebatch(batch_size, drop_remainder=True)
-    return ds.map(_pack(info), num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
+    return _packed(ds, info).prefetch(tf.data.AUTOTUNE)
