@@ -110,12 +110,17 @@ def test_a_worker_killed_every_attempt_fails_after_max_restarts_with_exit_1(clus
     assert_nothing_left()
 
 
-def test_resume_continues_at_the_saved_step_with_the_optimizer_state(cluster, job_dir):
+def two_epochs_checkpointed_every_epoch(job_dir):
+    """A finished 2-epoch run with a checkpoint after each epoch; returns (job path, its result)."""
     spec = ft_spec(job_dir, checkpoint={"dir": str(job_dir / "ckpt"), "every_epochs": 1, "keep": 3},
                    failure={"max_restarts": 0})
     spec["train"]["epochs"] = 2
     path = write_job(job_dir, spec)
-    first = raytf.fit(path)
+    return path, raytf.fit(path)
+
+
+def test_resume_continues_at_the_saved_step_with_the_optimizer_state(cluster, job_dir):
+    path, first = two_epochs_checkpointed_every_epoch(job_dir)
     assert [c.step for c in Storage(str(job_dir / "ckpt")).list()] == [STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH]
 
     refused = CliRunner().invoke(main, ["run", str(path), "--set", "train.epochs=3"])
@@ -131,11 +136,7 @@ def test_resume_continues_at_the_saved_step_with_the_optimizer_state(cluster, jo
 
 
 def test_a_corrupt_checkpoint_is_reported_and_the_previous_one_is_used(cluster, job_dir):
-    spec = ft_spec(job_dir, checkpoint={"dir": str(job_dir / "ckpt"), "every_epochs": 1, "keep": 3},
-                   failure={"max_restarts": 0})
-    spec["train"]["epochs"] = 2
-    path = write_job(job_dir, spec)
-    raytf.fit(path)
+    path, _ = two_epochs_checkpointed_every_epoch(job_dir)
     latest = Storage(str(job_dir / "ckpt")).latest()
     data_file = next(p for p in (job_dir / "ckpt").glob(f"ckpt-{latest.step:012d}/state.data-*"))
     data_file.write_bytes(b"\0" * 10)
