@@ -153,3 +153,27 @@ def test_an_unwritable_checkpoint_dir_is_a_spec_error_before_training(job_dir):
         load(write_job(job_dir, ft_spec(job_dir, checkpoint={"dir": str(job_dir / "a-file" / "ckpt")})))
     with pytest.raises(SpecError, match="checkpoint.dir: pyarrow cannot open"):
         load(write_job(job_dir, ft_spec(job_dir, checkpoint={"dir": "nosuchscheme://bucket/x"})))
+
+
+def test_a_lost_node_restarts_with_fewer_workers_under_failure_elastic(cluster, job_dir):
+    c, _ = cluster
+    extra = c.add_node(num_cpus=1)  # 4 CPUs in all: one worker per node
+    c.wait_for_nodes()
+    killer = Killer(rank=0, at_step=30, attempts={1}, kill=lambda actor: c.remove_node(extra))
+    spec = ft_spec(job_dir, train={"epochs": 2, "global_batch_size": 24, "seed": 7},
+                   cluster={"workers": 4, "cpus_per_worker": 1, "reserve_timeout_s": 5},
+                   checkpoint={"dir": str(job_dir / "ckpt"), "every_steps": 20},
+                   failure={"max_restarts": 1, "hang_timeout_s": 60, "elastic": {"min_workers": 2}})
+    try:
+        result = run(load(write_job(job_dir, spec)), group_cls=killer.group_cls)
+    finally:
+        if extra in c.worker_nodes:
+            c.remove_node(extra)
+    assert killer.killed_at, "the node was never removed"
+    assert len(result.restarts) == 1 and result.restarts[0]["kind"] == "actor_died"
+    assert result.workers == 3 and result.restarts[0]["workers"] == 3  # 4 no longer fit; 3 divide 24
+    assert result.restarts[0]["resumed_from_step"] in (20, 40)
+    assert len(result.tasks) == 3 and extra.node_id not in {t["node_id"] for t in result.tasks}
+    assert [t["steps"] for t in result.tasks] == [2 * (1437 // 24)] * 3
+    assert len({t["weights_digest"] for t in result.tasks}) == 1
+    assert_nothing_left()
