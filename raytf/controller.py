@@ -113,16 +113,15 @@ def run(job: Job, group_cls: Callable[..., WorkerGroup] = WorkerGroup,
     storage = _checkpoint_storage(job, resume)
     env = code_env if code_env is not None else upload_code(runtime_env(job))
     bad_checkpoints: set[str] = set()
-    workers = spec.cluster.workers
     held = _HeldGroup(placement_group)
+    base_payload = dataclasses.replace(build_payload(job), checkpoint_dir=job.checkpoint_dir)
     try:
         while True:
+            # Every attempt asks for the full worker count; _attempt shrinks it under failure.elastic.
             resume_from = storage.latest(exclude=bad_checkpoints) if storage and (resume or result.restarts) else None
-            attempt_spec = _with_workers(spec, workers)
-            payload = dataclasses.replace(build_payload(job), spec=attempt_spec,
-                                          checkpoint_dir=job.checkpoint_dir, resume_from=resume_from)
+            payload = dataclasses.replace(base_payload, resume_from=resume_from)
             try:
-                tasks, outcomes = _attempt(job, attempt_spec, payload, group_cls, env, display, result,
+                tasks, outcomes = _attempt(job, spec, payload, group_cls, env, display, result,
                                            elastic=bool(result.restarts), epochs=epochs, held=held)
                 break
             except AttemptFailed as failed:
@@ -139,7 +138,6 @@ def run(job: Job, group_cls: Callable[..., WorkerGroup] = WorkerGroup,
                     "reason": failed.failure.message, "ranks": list(failed.failure.ranks), "nodes": failed.nodes,
                     "resumed_from_step": None})
                 display.message(f"raytf: attempt failed: {failed.failure.message}; {decision.reason}")
-                workers = spec.cluster.workers
     except BaseException as exc:
         result.error = str(exc)
         result.wall_s = round(time.time() - started, 3)

@@ -276,8 +276,8 @@ def to_numpy(column: pa.ChunkedArray | pa.Array, info: Column):
         if info.fill is None:
             raise ValueError(f"column {info.name!r} has {array.null_count} null values; set "
                              f"data.fill_nulls.{info.name} in the spec or clean the data")
-        array = pa.compute.fill_null(array, pa.scalar(info.fill, array.type if info.dim is None else None)) \
-            if info.dim is None else array
+        if info.dim is None:  # a null list has no single value to fill with
+            array = pa.compute.fill_null(array, pa.scalar(info.fill, array.type))
         if array.null_count:
             raise ValueError(f"column {info.name!r}: null lists cannot be filled; clean the data")
     if info.dtype == "string":
