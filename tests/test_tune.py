@@ -311,10 +311,14 @@ def test_a_stopped_sweep_continues_with_resume(cluster, job_dir):
                                 "max_concurrent_trials": 1}, train={"epochs": 1})
     first = job_dir / "runs" / "t" / "trials" / "p00" / "result.json"
 
+    tune_dir = job_dir / "runs" / "t" / "tune"
+
     def interrupt_after_the_first_trial():  # as Ctrl-C would, once p00 is done
+        # p00's result.json can be written before Tune records the trial as completed; with one trial at a
+        # time, Tune creating p01's folder means p00 is done in Tune's own state too.
         deadline = time.time() + 200
         while time.time() < deadline:
-            if first.exists() and json.loads(first.read_text())["status"] == "succeeded":
+            if first.exists() and any(tune_dir.glob("p01_*")):
                 os.kill(os.getpid(), signal.SIGINT)  # Tune catches it: saves its state and returns
                 return
             time.sleep(0.2)
