@@ -153,7 +153,16 @@ def run(job: Job, group_cls: Callable[..., WorkerGroup] = WorkerGroup,
     write_artifacts(job.output_dir, chief.pop("artifacts", {}))
     result.status = "succeeded"
     result.history = chief["history"]
-    result.tasks = [dict(rank=t.rank, role="chief" if t.rank == 0 else "worker", node_ip=t.node_ip,
+    result.variable_devices = chief.get("variable_devices", {})
+    recovered = chief.get("recovered_workers", [])
+    for loss in result.worker_losses:  # the coordinator took the replacement back
+        loss["rejoined"] = any(d.endswith(f"/job:worker/replica:0/task:{loss['worker']}") or
+                               d == f"/job:worker/replica:0/task:{loss['worker']}" for d in recovered)
+    evaluator = [o for t, o in zip(tasks, outcomes) if t.role == "evaluator"]
+    if evaluator:
+        result.evaluations = evaluator[0].get("evaluations", [])
+        _merge_evaluations(result.history, result.evaluations)
+    result.tasks = [dict(rank=t.rank, role=_role_name(t, spec), index=t.index, node_ip=t.node_ip,
                          node_id=t.node_id, address=t.address, gpu_ids=list(t.gpu_ids),
                          cuda_visible_devices=t.cuda_visible_devices,
                          weights_digest=o.get("weights_digest"), steps=o.get("steps"),
@@ -173,6 +182,21 @@ def run(job: Job, group_cls: Callable[..., WorkerGroup] = WorkerGroup,
     result.write()
     display.message(summary_table(result.history))
     return result
+
+
+def _role_name(task: rendezvous.Task, spec: JobSpec) -> str:
+    if spec.strategy == "mirrored":
+        return "chief" if task.rank == 0 else "worker"
+    return task.role
+
+
+def _merge_evaluations(history: list[dict[str, Any]], evaluations: list[dict[str, Any]]) -> None:
+    """The evaluator's val_* metrics into the epochs whose end-of-epoch checkpoint it evaluated."""
+    by_epoch = {e["epoch"]: e for e in evaluations if "epoch" in e}
+    for metrics in history:
+        found = by_epoch.get(metrics.get("epoch"))
+        if found:
+            metrics.update({k: v for k, v in found.items() if k.startswith("val_")})
 
 
 def _counted(restarts: list[dict]) -> int:
@@ -207,9 +231,12 @@ def _reserve(spec: JobSpec, display: ProgressDisplay, elastic: bool):
         sizes = failure_lib.elastic_sizes(spec.cluster.workers, spec.failure.elastic.min_workers,
                                           spec.train.global_batch_size, spec.cluster.replicas_per_worker)
     for i, workers in enumerate(sizes):
-        bundles = placement.worker_bundles(spec.cluster.model_copy(update={"workers": workers}))
+        bundles = placement.job_bundles(_with_workers(spec, workers))
         timeout = spec.cluster.reserve_timeout_s if i == 0 else min(10.0, spec.cluster.reserve_timeout_s)
-        display.message(f"raytf: reserving {len(bundles)} x {bundles[0]} ({spec.cluster.effective_placement})")
+        roles = placement.bundle_roles(spec)
+        shown = ", ".join(f"{roles.count(r)} {r}" for r in dict.fromkeys(roles)) if spec.strategy != "mirrored" else ""
+        display.message(f"raytf: reserving {len(bundles)} x {bundles[-1]} " + (f"({shown}) " if shown else "")
+                        + f"({spec.cluster.effective_placement})")
         try:
             return placement.reserve(bundles, spec.cluster.effective_placement, timeout,
                                      name=f"raytf-{spec.name}-{os.getpid()}"), bundles
@@ -235,7 +262,7 @@ class _HeldGroup:
 
     def get(self, spec: JobSpec, display: ProgressDisplay, elastic: bool):
         if self.given is not None:
-            return self.given, placement.worker_bundles(spec.cluster)
+            return self.given, placement.job_bundles(spec)
         if self.pg is not None:
             ready, _ = ray.wait([self.pg.ready()], timeout=spec.cluster.reserve_timeout_s)
             if ready:
@@ -252,13 +279,13 @@ def _attempt(job: Job, spec: JobSpec, payload: WorkerPayload, group_cls, env: di
     Returns (tasks, outcomes by rank)."""
     phase = _PhaseClock(result.phases, time.time())
     pg, bundles = held.get(spec, display, elastic)
-    if len(bundles) != spec.cluster.workers:
+    if spec.strategy == "mirrored" and len(bundles) != spec.cluster.workers:  # failure.elastic
         spec = _with_workers(spec, len(bundles))
         payload = dataclasses.replace(payload, spec=spec)
-    result.workers = len(bundles)
+    result.workers = spec.cluster.workers
     if result.restarts:
         result.restarts[-1].update(resumed_from_step=payload.resume_from.step if payload.resume_from else 0,
-                                   workers=len(bundles))
+                                   workers=spec.cluster.workers)
     phase.done("reserve_s")
     group = None
     try:
@@ -279,7 +306,10 @@ def _attempt(job: Job, spec: JobSpec, payload: WorkerPayload, group_cls, env: di
         phase.done("start_s")
         display.message("raytf: " + ", ".join(f"rank {t.rank}@{t.address}" + (f" gpu {','.join(t.gpu_ids)}" if t.gpu_ids else "")
                                                for t in tasks))
-        outcomes = _supervise(group, tasks, payload, display, epochs, spec.failure.hang_timeout_s)
+        if spec.strategy == "parameter_server":
+            outcomes = _supervise_parameter_server(group, tasks, payload, display, epochs, result)
+        else:
+            outcomes = _supervise(group, tasks, payload, display, epochs, spec.failure.hang_timeout_s)
         phase.done("train_s")
         return tasks, outcomes
     finally:
@@ -289,7 +319,10 @@ def _attempt(job: Job, spec: JobSpec, payload: WorkerPayload, group_cls, env: di
 
 def _start(group: WorkerGroup, payload: WorkerPayload, timeout_s: float) -> list[rendezvous.Task]:
     reports = group.start(timeout_s)
-    tasks = rendezvous.assign_ranks(reports)
+    if payload.spec.strategy == "parameter_server":
+        tasks = rendezvous.assign_roles(reports, placement.bundle_roles(payload.spec))
+    else:
+        tasks = rendezvous.assign_ranks(reports)
     group.setup(tasks, payload, timeout_s)
     return tasks
 
@@ -330,6 +363,84 @@ def _supervise(group: WorkerGroup, tasks: list[rendezvous.Task], payload: Worker
             epochs.feed(progress[0].get("epochs", []))
         display.update(progress[0], rate.update(progress[0]))
     return [outcomes[rank] for rank in range(len(refs))]
+
+
+def _supervise_parameter_server(group: WorkerGroup, tasks: list[rendezvous.Task], payload: WorkerPayload,
+                                display: ProgressDisplay, epochs: EpochFeed, result: Result) -> list[dict[str, Any]]:
+    """Wait for the chief (then the evaluator) while showing progress. A worker that dies is only a
+    loss of capacity: the coordinator re-runs its step elsewhere, and raytf starts a replacement at the
+    same address for the coordinator to take back. A dead ps task, a chief error or a hang ends the attempt."""
+    spec = payload.spec
+    hang_timeout_s = spec.failure.hang_timeout_s
+    refs = group.train(payload)
+    task_of = {ref: t for ref, t in zip(refs, tasks)}
+    awaited = [ref for ref in refs if task_of[ref].role in ("chief", "evaluator")]
+    watched = [ref for ref in refs if task_of[ref].role in ("ps", "worker")]
+    outcomes: dict[int, dict[str, Any]] = {}
+    chief_seen = (None, time.time())
+    chief_done_at: float | None = None
+    replacements_left = 2 * spec.cluster.workers
+    rate = _Rate()
+    while awaited:
+        done, _ = ray.wait(awaited + watched, num_returns=1, timeout=POLL_INTERVAL_S)
+        for ref in done:
+            task = task_of.pop(ref)
+            try:
+                value = ray.get(ref)
+            except Exception as exc:
+                if task.role != "worker":
+                    errors = [_rank_error(task.rank, exc)]
+                    failure = failure_lib.aggregate(errors)
+                    message = f"{task.role} {task.index} (rank {task.rank}, {task.node_ip}): {failure.message}"
+                    raise AttemptFailed(dataclasses.replace(failure, message=message), [task.node_ip]) from None
+                watched.remove(ref)
+                loss = {"worker": task.index, "node_ip": task.node_ip, "at": round(time.time(), 3),
+                        "cause": describe(exc), "replaced": False}
+                result.worker_losses.append(loss)
+                display.message(f"raytf: worker {task.index} on {task.node_ip} lost ({loss['cause']}); "
+                                f"the other workers go on")
+                if replacements_left > 0:
+                    replacements_left -= 1
+                    new_ref = _replace_worker(group, task, payload, display)
+                    if new_ref is not None:
+                        loss["replaced"] = True
+                        task_of[new_ref] = task
+                        watched.append(new_ref)
+                continue
+            outcomes[task.rank] = value
+            awaited.remove(ref)
+            if task.role == "chief":
+                chief_done_at = time.time()
+        if not awaited:
+            break
+        progress = group.progress(timeout_s=POLL_INTERVAL_S * 4)
+        now = time.time()
+        chief = progress[0]
+        if chief is not None and chief_done_at is None:
+            marker = (chief.get("phase"), chief.get("global_step"))
+            if marker != chief_seen[0]:
+                chief_seen = (marker, now)
+            epochs.feed(chief.get("epochs", []))
+            display.update(chief, rate.update(chief))
+        stalled_since = chief_done_at if chief_done_at is not None else chief_seen[1]
+        if now - stalled_since > hang_timeout_s:
+            who = "the evaluator did not finish" if chief_done_at else "no progress from the chief"
+            message = f"training hung: {who} for {hang_timeout_s:g}s (failure.hang_timeout_s)"
+            raise AttemptFailed(Failure("hang", message, (0,), {message: [0]}), [tasks[0].node_ip])
+    return [outcomes.get(t.rank, {}) for t in tasks]
+
+
+def _replace_worker(group: WorkerGroup, task: rendezvous.Task, payload: WorkerPayload,
+                    display: ProgressDisplay):
+    """A new actor in the dead worker's bundle, serving at the same address (TF's cluster is fixed at
+    start); its train ref, or None when that cannot be had."""
+    try:
+        ref = group.replace(task, payload, payload.spec.cluster.start_timeout_s)
+    except Exception as exc:
+        display.message(f"raytf: worker {task.index} could not be brought back ({describe(exc)})")
+        return None
+    display.message(f"raytf: worker {task.index} is back at {task.address}")
+    return ref
 
 
 def _rank_error(rank: int, exc: BaseException) -> failure_lib.RankError:

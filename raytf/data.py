@@ -467,3 +467,59 @@ def eval_dataset(info: DatasetInfo, root: str, shard: list[Slice], batch_size: i
         ds = ds.repeat()
     ds = ds.rebatch(batch_size, drop_remainder=True)
     return _packed(ds, info).prefetch(tf.data.AUTOTUNE)
+
+
+# ---------------------------------------------------------------- parameter-server workers
+# Under ParameterServerStrategy the chief builds each worker's pipeline and the worker runs it, in
+# another process: a Python generator (py_func) cannot run there. So each worker actor first converts
+# its shard into TFRecord files on its local disk (one file per column; record k of every file holds the
+# k-th chunk of rows as a serialized tensor), and the pipeline the chief builds reads them with TF ops
+# only. The folder is relative: each worker process has its own working directory (its staging folder),
+# so one pipeline definition reads a different shard on every worker.
+
+RECORDS_DIR = "raytf-records"
+RECORD_CHUNK_ROWS = 4096
+
+
+def write_records(info: DatasetInfo, root: str, shard: list[Slice], folder: str,
+                  chunk_rows: int = RECORD_CHUNK_ROWS) -> int:
+    """Write the shard's rows under `folder` (see above); returns the number of rows written."""
+    import tensorflow as tf
+
+    if shard_rows(shard) == 0:
+        raise ValueError("this worker's shard has no rows; use fewer workers than rows")
+    os.makedirs(folder, exist_ok=True)
+    columns = (*info.features, info.label)
+    writers = [tf.io.TFRecordWriter(os.path.join(folder, f"col-{i}.tfrecord")) for i in range(len(columns))]
+    rows = 0
+    try:
+        for arrays in iter_shard(info, root, shard):
+            n = len(arrays[-1])
+            for start in range(0, n, chunk_rows):
+                for writer, array in zip(writers, arrays):
+                    writer.write(tf.io.serialize_tensor(array[start:start + chunk_rows]).numpy())
+            rows += n
+    finally:
+        for writer in writers:
+            writer.close()
+    return rows
+
+
+def record_dataset(info: DatasetInfo, folder: str, batch_size: int, shuffle_buffer: int, seed: int):
+    """A worker's records (under `folder`, relative to its working directory), endlessly: chunks in a
+    new random order every pass, rows shuffled within `shuffle_buffer`, cut into batches. TF ops only."""
+    import tensorflow as tf
+
+    def column(i, spec):
+        def parse(record):
+            return tf.ensure_shape(tf.io.parse_tensor(record, spec.dtype), spec.shape)
+        return tf.data.TFRecordDataset(f"{folder}/col-{i}.tfrecord").map(parse)
+
+    ds = tf.data.Dataset.zip(tuple(column(i, s) for i, s in enumerate(_signature(info))))
+    if shuffle_buffer > 0:
+        ds = ds.shuffle(1024, seed=seed, reshuffle_each_iteration=True)  # chunk order: the whole shard, up to 4M rows
+    ds = ds.repeat().unbatch()
+    if shuffle_buffer > 0:
+        ds = ds.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
+    ds = ds.batch(batch_size, drop_remainder=True)
+    return _packed(ds, info).prefetch(tf.data.AUTOTUNE)

@@ -33,10 +33,12 @@ def describe(exc: BaseException) -> str:
     exc = root_cause(exc)
     if isinstance(exc, RayActorError):
         return f"actor died ({str(exc).splitlines()[0][:300]})"
-    return f"{type(exc).__name__}: {summary(str(exc))}".strip()
+    line = summary(str(exc))
+    name = type(exc).__name__
+    return line if line.startswith(f"{name}: ") else f"{name}: {line}".strip()
 
 
-_TF_PREAMBLE = ("Graph execution error", "Detected at node", "File ", "[[", "(most recent call last)")
+_TF_PREAMBLE = ("Graph execution error", "in user code:", "Detected at node", "File ", "[[", "(most recent call last)")
 
 
 def summary(message: str, limit: int = 300) -> str:
@@ -61,21 +63,38 @@ class WorkerGroup:
 
     def start(self, timeout_s: float) -> list[ActorReport]:
         """Create one actor per bundle and collect what each reports about itself."""
-        for index, bundle in enumerate(self.bundles):
-            self.actors.append(_RemoteTaskActor.options(
-                num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), max_concurrency=2,
-                max_restarts=0, runtime_env=self.runtime_env,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.pg, placement_group_bundle_index=index),
-            ).remote(index))
+        for index in range(len(self.bundles)):
+            self.actors.append(self._create(index))
         return self._get([a.report.remote() for a in self.actors], timeout_s, "report in",
                          [f"bundle {i}" for i in range(len(self.actors))])
+
+    def _create(self, index: int, port: int = 0):
+        bundle = self.bundles[index]
+        return _RemoteTaskActor.options(
+            num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), max_concurrency=2,
+            max_restarts=0, runtime_env=self.runtime_env,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self.pg, placement_group_bundle_index=index),
+        ).remote(index, port)
 
     def setup(self, tasks: list[Task], payload: WorkerPayload, timeout_s: float) -> list[dict[str, Any]]:
         self.tasks = tasks
         self._by_rank = [self.actors[t.bundle_index] for t in tasks]
         refs = [a.setup.remote(t, tf_config(tasks, t), len(tasks), payload) for a, t in zip(self._by_rank, tasks)]
         return self._get(refs, timeout_s, "start TensorFlow", [f"rank {t.rank}" for t in tasks])
+
+    def replace(self, task: Task, payload: WorkerPayload, timeout_s: float) -> ray.ObjectRef:
+        """A new actor for a dead task, in its bundle and at its port, set up as the task was; returns its
+        train ref. Fails when the bundle has moved to another node (the address would change)."""
+        actor = self._create(task.bundle_index, port=task.port)
+        self.actors[task.bundle_index] = actor
+        self._by_rank[task.rank] = actor
+        report = self._get([actor.report.remote()], timeout_s, "report in", [f"rank {task.rank}"])[0]
+        if report.node_ip != task.node_ip:
+            raise WorkerStartupError(f"its bundle moved from {task.node_ip} to {report.node_ip}")
+        self._get([actor.setup.remote(task, tf_config(self.tasks, task), len(self.tasks), payload)], timeout_s,
+                  "start TensorFlow", [f"rank {task.rank}"])
+        return actor.train.remote(payload)
 
     def train(self, payload: WorkerPayload) -> list[ray.ObjectRef]:
         return [a.train.remote(payload) for a in self._by_rank]

@@ -5,7 +5,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
 from raytf.errors import PlacementTimeout
-from raytf.spec import ClusterSpec
+from raytf.spec import ClusterSpec, JobSpec
 
 
 def worker_bundles(cluster: ClusterSpec) -> list[dict[str, float]]:
@@ -14,6 +14,25 @@ def worker_bundles(cluster: ClusterSpec) -> list[dict[str, float]]:
     bundle = {k: v for k, v in bundle.items() if v > 0}
     bundle = bundle or {"CPU": 0.001}  # Ray refuses empty bundles
     return [dict(bundle) for _ in range(cluster.workers)]
+
+
+def bundle_roles(spec: JobSpec) -> list[str]:
+    """The TF role of each bundle, in bundle order: all workers under mirrored; under parameter_server the
+    chief first, then the ps tasks, the workers and the evaluator (pure; the rendezvous relies on it)."""
+    cluster = spec.cluster
+    if spec.strategy != "parameter_server":
+        return ["worker"] * cluster.workers
+    return ["chief"] + ["ps"] * cluster.ps + ["worker"] * cluster.workers + (["evaluator"] if cluster.evaluator else [])
+
+
+def job_bundles(spec: JobSpec) -> list[dict[str, float]]:
+    """One bundle per TF task, in bundle_roles order. The chief and ps tasks take CPUs only; workers and
+    the evaluator take what a worker takes."""
+    cluster = spec.cluster
+    worker = worker_bundles(cluster.model_copy(update={"workers": 1}))[0]
+    cpus = {"chief": cluster.cpus_per_chief, "ps": cluster.cpus_per_ps}
+    return [dict(worker) if role in ("worker", "evaluator") else {"CPU": cpus[role] or 0.001}
+            for role in bundle_roles(spec)]
 
 
 def total(bundles: list[dict[str, float]]) -> dict[str, float]:
@@ -36,10 +55,16 @@ def shortage_message(bundles: list[dict[str, float]], strategy: str, timeout_s: 
     """Pure: what was asked, what the cluster has, and what to change."""
     asked = total(bundles)
     short = [k for k, v in asked.items() if cluster_total.get(k, 0) < v]
-    per_bundle = bundles[0] if bundles else {}
-    biggest_fit = [k for k, v in per_bundle.items() if all(n.get(k, 0) < v for n in nodes)] if nodes else []
-    msg = (f"placement group not ready after {timeout_s:g}s: asked for {len(bundles)} bundles of {_fmt(per_bundle)} "
-           f"(total {_fmt(asked)}, strategy {strategy}); the cluster has {_fmt(cluster_total)} in "
+    largest = {k: max(b.get(k, 0) for b in bundles) for k in asked}
+    biggest_fit = [k for k, v in largest.items() if all(n.get(k, 0) < v for n in nodes)] if nodes else []
+    kinds = list(dict.fromkeys(_fmt(b) for b in bundles))
+    if len(kinds) <= 1:
+        shapes = f"{len(bundles)} bundles of {kinds[0] if kinds else '{}'} (total"
+    else:
+        shapes = f"{len(bundles)} bundles (" + ", ".join(f"{sum(1 for b in bundles if _fmt(b) == k)} x {k}"
+                                                         for k in kinds) + "; total"
+    msg = (f"placement group not ready after {timeout_s:g}s: asked for {shapes} {_fmt(asked)}, strategy "
+           f"{strategy}); the cluster has {_fmt(cluster_total)} in "
            f"{len(nodes)} node(s), {_fmt(cluster_available)} available now.")
     hints = []
     if short:

@@ -60,10 +60,35 @@ def assign_ranks(reports: list[ActorReport]) -> list[Task]:
                  cuda_visible_devices=r.cuda_visible_devices) for i, r in enumerate(ordered)]
 
 
+def assign_roles(reports: list[ActorReport], roles: list[str]) -> list[Task]:
+    """Parameter-server tasks: the actor in bundle i plays roles[i] (chief, ps, worker or evaluator);
+    its index counts that role's bundles before it. Ranks follow bundle order, so the chief is rank 0.
+    The result is ordered by rank."""
+    by_bundle = {r.bundle_index: r for r in reports}
+    if sorted(by_bundle) != list(range(len(roles))) or len(reports) != len(roles):
+        raise ValueError(f"bundle indexes {sorted(r.bundle_index for r in reports)} do not match the "
+                         f"{len(roles)} roles")
+    if roles.count("chief") != 1 or roles[0] != "chief":
+        raise ValueError(f"the first bundle must be the one chief, got roles {roles}")
+    seen: dict[str, int] = {}
+    tasks = []
+    for bundle, role in enumerate(roles):
+        r = by_bundle[bundle]
+        index = seen.get(role, 0)
+        seen[role] = index + 1
+        tasks.append(Task(rank=bundle, role=role, index=index, bundle_index=bundle, node_id=r.node_id,
+                          node_ip=r.node_ip, port=r.port, gpu_ids=tuple(r.gpu_ids),
+                          cuda_visible_devices=r.cuda_visible_devices))
+    return tasks
+
+
 def cluster_spec(tasks: list[Task]) -> dict[str, list[str]]:
-    """{role: [address by index]} as TF's ClusterSpec wants it."""
+    """{role: [address by index]} as TF's ClusterSpec wants it. The evaluator is not part of TF's
+    cluster: it only reads checkpoints."""
     roles: dict[str, dict[int, str]] = {}
     for t in tasks:
+        if t.role == "evaluator":
+            continue
         slot = roles.setdefault(t.role, {})
         if t.index in slot:
             raise ValueError(f"two tasks claim {t.role}:{t.index}")

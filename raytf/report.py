@@ -29,6 +29,11 @@ class Result:
     restarts: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # when, why, ranks, nodes, resumed step
     phases: dict[str, float] = dataclasses.field(default_factory=dict)  # reserve_s, start_s, train_s, finish_s
     error: str | None = None
+    # parameter_server: where each model variable lives ({path: [device per shard]}), the evaluator's
+    # results per checkpoint, and workers that died and were (or could not be) brought back
+    variable_devices: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    evaluations: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    worker_losses: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     @property
     def final(self) -> dict[str, Any]:

@@ -71,6 +71,13 @@ class ClusterSpec(_Strict):
     gpu_memory_growth: bool = True  # allocate GPU memory as needed, so fractional-GPU workers can share
     reserve_timeout_s: float = Field(default=60.0, gt=0)
     start_timeout_s: float = Field(default=120.0, gt=0)
+    # strategy: parameter_server only. ps tasks hold the variables; the chief runs the coordinator; the
+    # evaluator (optional) is a side-car that evaluates each checkpoint on the validation data.
+    ps: int = Field(default=0, ge=0)
+    cpus_per_ps: float = Field(default=1.0, ge=0)
+    cpus_per_chief: float = Field(default=1.0, ge=0)
+    evaluator: bool = False
+    variable_partitioner: "PartitionerSpec | None" = None
 
     @model_validator(mode="after")
     def _gpu_placement(self) -> "ClusterSpec":
@@ -94,6 +101,29 @@ class ClusterSpec(_Strict):
     @property
     def replicas(self) -> int:
         return self.workers * self.replicas_per_worker
+
+
+PS_KEYS = ("ps", "cpus_per_ps", "cpus_per_chief", "evaluator", "variable_partitioner")
+
+
+class PartitionerSpec(_Strict):
+    """How variables are split over the ps tasks (TF's variable_partitioner). min_size: shards of at least
+    min_shard_bytes, at most one per ps task (small variables stay whole); fixed: `shards` shards each."""
+
+    kind: Literal["min_size", "fixed"] = "min_size"
+    min_shard_bytes: int = Field(default=256 << 10, ge=1)
+    shards: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _shards_for_fixed(self) -> "PartitionerSpec":
+        if self.kind == "fixed" and self.shards is None:
+            raise ValueError("cluster.variable_partitioner: kind fixed needs shards (e.g. shards: 2)")
+        if self.kind == "min_size" and self.shards is not None:
+            raise ValueError("cluster.variable_partitioner: shards is for kind: fixed; min_size uses min_shard_bytes")
+        return self
+
+
+ClusterSpec.model_rebuild()
 
 
 class ElasticSpec(_Strict):
@@ -158,8 +188,12 @@ class JobSpec(_Strict):
     @model_validator(mode="after")
     def _consistent(self) -> "JobSpec":
         if self.strategy == "parameter_server":
-            raise ValueError(
-                "strategy 'parameter_server' is not available yet; use strategy: mirrored")
+            self._parameter_server_rules()
+        else:
+            given = [k for k in PS_KEYS if k in self.cluster.model_fields_set]
+            if given:
+                raise ValueError(f"cluster.{given[0]} is for strategy: parameter_server; remove it, or set "
+                                 f"strategy: parameter_server")
         if self.train_fn is None:
             if self.model is None:
                 raise ValueError("model: missing; name the function that builds the model, e.g. model: digits:build_model")
@@ -179,13 +213,40 @@ class JobSpec(_Strict):
         if elastic is not None and elastic.min_workers > self.cluster.workers:
             raise ValueError(f"failure.elastic.min_workers {elastic.min_workers} is more than cluster.workers "
                              f"{self.cluster.workers}; use at most {self.cluster.workers}")
-        replicas = self.cluster.replicas
+        replicas = self.cluster.replicas_per_worker if self.strategy == "parameter_server" else self.cluster.replicas
         batch = self.train.global_batch_size
+        if batch % replicas and self.strategy == "parameter_server":
+            raise ValueError(f"train.global_batch_size {batch} (the batch of one step, run by one worker) is not "
+                             f"divisible by the {replicas} GPUs of a worker; use {_nearest_multiples(batch, replicas)}")
         if batch % replicas:
             raise ValueError(f"train.global_batch_size {batch} is not divisible by {replicas} replicas "
                              f"({self.cluster.workers} workers x {self.cluster.replicas_per_worker}); "
                              f"use {_nearest_multiples(batch, replicas)}")
         return self
+
+
+    def _parameter_server_rules(self) -> None:
+        """What raytf's parameter-server loop supports; each refusal names the key and the way out."""
+        if self.cluster.ps < 1:
+            raise ValueError(f"cluster.ps: {self.cluster.ps} under strategy parameter_server; the variables need "
+                             f"at least one ps task: set cluster.ps: 1 or more")
+        refused = [
+            (self.train_fn is not None, "train_fn", "use model + data (raytf's loop)"),
+            (self.dataset_fn is not None, "dataset_fn", "use data (Parquet)"),
+            (self.train.precision != "float32", f"train.precision {self.train.precision}", "use float32"),
+            (self.train.jit_compile, "train.jit_compile", "set it to false"),
+            (self.failure.elastic is not None, "failure.elastic",
+             "remove it: a parameter-server job already goes on when workers die"),
+            (self.data is not None and self.data.remainder == "pad", "data.remainder: pad",
+             "use remainder: drop (each worker streams its shard endlessly)"),
+        ]
+        for bad, what, fix in refused:
+            if bad:
+                raise ValueError(f"{what} is not supported with strategy: parameter_server; {fix}")
+        if self.cluster.evaluator and (self.checkpoint.dir is None or self.data is None
+                                       or self.data.validation is None):
+            raise ValueError("cluster.evaluator: the evaluator evaluates the chief's checkpoints on the validation "
+                             "data; set checkpoint.dir and data.validation, or evaluator: false")
 
 
 def _nearest_multiples(value: int, divisor: int) -> str:

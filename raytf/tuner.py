@@ -61,7 +61,7 @@ class Plan:
 
 def trial_bundles(spec: JobSpec) -> list[dict[str, float]]:
     """The placement group one trial's job needs (the one place that knows a job's bundles for Tune)."""
-    return placement.worker_bundles(spec.cluster)
+    return placement.job_bundles(spec)
 
 
 def prepare(source: "str | Path | Mapping[str, Any]", overrides: Mapping[str, Any] | None = None) -> Plan:

@@ -24,15 +24,19 @@ from raytf.worker_api import TaskContext, WorkerPayload
 class TaskActor:
     """Created with max_concurrency=2, so `progress` is answered while `train` runs."""
 
-    def __init__(self, bundle_index: int):
+    def __init__(self, bundle_index: int, port: int = 0):
         self._bundle_index = bundle_index
         # Hold the port until TensorFlow binds it, so no other process takes it meanwhile. TF's gRPC
-        # server does not set SO_REUSEPORT, so the hold is released right before TF starts.
+        # server does not set SO_REUSEPORT, so the hold is released right before TF starts. A given port
+        # is a replacement taking over a dead task's address.
         self._held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._held.bind(("", 0))
+        self._held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._held.bind(("", port))
         self._port = self._held.getsockname()[1]
         self._ctx: TaskContext | None = None
+        self._task: Task | None = None
         self._strategy = None
+        self._server = None  # a parameter-server job's ps or worker: TF's server, alive as long as the actor
         self._staging = tempfile.mkdtemp(prefix="raytf-task-")
         # Import TensorFlow while the rendezvous goes on (seconds of CPU; reading TF_CONFIG and starting
         # the server happen later, in setup). setup waits for this import through Python's import lock.
@@ -56,9 +60,12 @@ class TaskActor:
         process surfaces as PortTaken, which the controller answers with a fresh rendezvous."""
         from raytf.errors import PortTaken
 
-        os.environ["TF_CONFIG"] = tf_config
+        self._task = task
+        if task.role != "evaluator":  # not part of TF's cluster
+            os.environ["TF_CONFIG"] = tf_config
         self._ctx = TaskContext(task.rank, world_size, payload.spec, self._staging, payload)
-        self.release_port()
+        if task.role == "worker" and payload.spec.strategy == "parameter_server":
+            self._write_records(task, payload)  # before the server is up: the chief reads them at once
         self._tf_import.join()
         import tensorflow as tf
 
@@ -67,11 +74,21 @@ class TaskActor:
         if payload.spec.cluster.gpu_memory_growth:  # before any GPU is initialised
             for gpu in tf.config.list_physical_devices("GPU"):
                 tf.config.experimental.set_memory_growth(gpu, True)
-        cpus = payload.spec.cluster.cpus_per_worker
+        cluster = payload.spec.cluster
+        cpus = {"ps": cluster.cpus_per_ps, "chief": cluster.cpus_per_chief}.get(task.role, cluster.cpus_per_worker)
         if cpus >= 1:
             tf.config.threading.set_intra_op_parallelism_threads(int(cpus))
             tf.config.threading.set_inter_op_parallelism_threads(max(2, int(cpus)))
+        if task.role in ("chief", "evaluator"):  # no server of their own: the chief's strategy connects in train
+            self.release_port()
+            return {"rank": task.rank, "role": task.role}
+        self.release_port()
         try:
+            if payload.spec.strategy == "parameter_server":
+                resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+                self._server = tf.distribute.Server(resolver.cluster_spec(), job_name=task.role,
+                                                    task_index=task.index, protocol="grpc", start=True)
+                return {"rank": task.rank, "role": task.role}
             self._strategy = tf.distribute.MultiWorkerMirroredStrategy()
         except tf.errors.UnknownError as exc:
             if "Could not start gRPC server" in str(exc):
@@ -80,11 +97,34 @@ class TaskActor:
             raise
         return {"rank": task.rank, "replicas": self._strategy.num_replicas_in_sync}
 
-    def train(self, payload: WorkerPayload) -> dict[str, Any]:
-        from raytf.strategies import mirrored
+    def _write_records(self, task: Task, payload: WorkerPayload) -> None:
+        """This worker's shard of the training data as local TFRecords (see raytf.data), and the staging
+        folder as the working directory: the pipeline the chief builds reads them by a relative path."""
+        from raytf import data
 
+        self._ctx.phase("converting data")
+        info = payload.train_data
+        shard = data.plan_shards([p.num_rows for p in info.pieces], payload.spec.cluster.workers)[task.index]
+        try:
+            data.write_records(info, payload.train_root, shard, os.path.join(self._staging, data.RECORDS_DIR, "train"))
+        except ValueError as exc:
+            raise ValueError(f"worker {task.index}: {exc}") from None
+        os.chdir(self._staging)
+
+    def train(self, payload: WorkerPayload) -> dict[str, Any]:
         started = time.time()
-        outcome = mirrored.run(self._strategy, payload, self._ctx)
+        if payload.spec.strategy == "parameter_server":
+            if self._server is not None:  # ps and workers serve the chief until the controller stops them
+                self._ctx.phase("serving")
+                threading.Event().wait()
+            from raytf.strategies import parameter_server
+
+            run = parameter_server.run_chief if self._task.role == "chief" else parameter_server.run_evaluator
+            outcome = run(payload, self._ctx)
+        else:
+            from raytf.strategies import mirrored
+
+            outcome = mirrored.run(self._strategy, payload, self._ctx)
         outcome.update(rank=self._ctx.rank, started_at=started, finished_at=time.time(),
                        first_step_at=self._ctx.first_step_at)
         if self._ctx.is_chief:

@@ -63,6 +63,7 @@ class TaskContext:
                                           "updated": time.time()}
         self.first_step_at: float | None = None
         self._epochs: list[dict[str, Any]] = []
+        self._evaluations: list[dict[str, Any]] = []
 
     # -- progress, called by raytf's loop on every step; cheap unless a report is due
     def step(self, epoch: int, step: int, steps: int, global_step: int, loss, examples: int) -> None:
@@ -89,10 +90,16 @@ class TaskContext:
             self._epochs.append(dict(metrics))
             self._progress.update(phase="epoch_end", updated=time.time())
 
+    def evaluation(self, metrics: dict[str, Any]) -> None:
+        """The evaluator side-car's result for one checkpoint."""
+        with self._lock:
+            self._evaluations.append(dict(metrics))
+            self._progress.update(phase="evaluated", updated=time.time())
+
     def progress(self) -> dict[str, Any]:
         """The latest step, and every epoch's metrics so far (so a slow poller misses none)."""
         with self._lock:
-            return {**self._progress, "epochs": list(self._epochs)}
+            return {**self._progress, "epochs": list(self._epochs), "evaluations": list(self._evaluations)}
 
     # -- for train_fn users
     def report(self, metrics: dict[str, Any]) -> None:

@@ -14,8 +14,11 @@ class Killer:
     """Makes a WorkerGroup class whose attempts get rank `rank` killed at global step >= `at_step`,
     on the attempts listed (1-based; None: every attempt). `kill` may be replaced (e.g. remove a node)."""
 
-    def __init__(self, rank: int, at_step: int, attempts: set[int] | None = None, kill=None):
+    def __init__(self, rank: int, at_step: int, attempts: set[int] | None = None, kill=None, watch: int | None = None):
+        # watch: the rank whose global step counts (default: the killed rank; a parameter-server job's
+        # ps and workers report no steps, its chief does)
         self.rank, self.at_step, self.attempts = rank, at_step, attempts
+        self.watch = rank if watch is None else watch
         self.kill = kill or (lambda actor: ray.kill(actor, no_restart=True))
         self.killed_at: list[tuple[int, float]] = []  # (attempt, time)
         self.attempt = 0
@@ -32,11 +35,11 @@ class Killer:
         self.group_cls = KillingGroup
 
     def _watch(self, group: WorkerGroup, attempt: int) -> None:
-        actor = group._by_rank[self.rank]
+        actor, watched = group._by_rank[self.rank], group._by_rank[self.watch]
         deadline = time.time() + 120
         while time.time() < deadline:
             try:
-                progress = ray.get(actor.progress.remote(), timeout=5)
+                progress = ray.get(watched.progress.remote(), timeout=5)
             except Exception:
                 return  # the attempt ended some other way
             if progress.get("global_step", 0) >= self.at_step:

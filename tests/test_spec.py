@@ -61,8 +61,28 @@ def test_data_options_are_checked():
     assert "'keep' is not one of" in error_of(base_spec(data={"remainder": "keep"}))
 
 
-def test_parameter_server_is_refused_for_now():
-    assert "not available yet" in error_of(base_spec(strategy="parameter_server"))
+def ps(**sections):
+    return base_spec(strategy="parameter_server", **{"cluster": {"ps": 1}, **sections})
+
+
+def test_parameter_server_specs_are_checked():
+    assert parse(ps()).cluster.ps == 1
+    assert "cluster.ps: 0 under strategy parameter_server" in error_of(ps(cluster={"ps": 0}))
+    assert "cluster.ps: 0 under strategy parameter_server" in error_of(base_spec(strategy="parameter_server"))
+    # ps keys under mirrored name the key and both ways out
+    for key, value in [("ps", 1), ("cpus_per_ps", 2), ("evaluator", True), ("variable_partitioner", {"shards": 2, "kind": "fixed"})]:
+        message = error_of(base_spec(cluster={key: value}))
+        assert f"cluster.{key} is for strategy: parameter_server; remove it" in message, message
+    assert "kind fixed needs shards" in error_of(ps(cluster={"ps": 1, "variable_partitioner": {"kind": "fixed"}}))
+    assert "the evaluator evaluates the chief's checkpoints" in error_of(ps(cluster={"ps": 1, "evaluator": True}))
+    assert "train_fn is not supported with strategy: parameter_server" in error_of(
+        ps(model=None, data=None, train_fn="tmodel:train"))
+    assert "train.precision mixed_float16 is not supported" in error_of(ps(train={"precision": "mixed_float16"}))
+    assert "failure.elastic is not supported" in error_of(ps(failure={"elastic": {"min_workers": 1}}))
+    # one step's batch runs on one worker: it must divide by that worker's GPUs, not by all of them
+    assert parse(ps(cluster={"ps": 1, "workers": 3, "gpus_per_worker": 2}, train={"global_batch_size": 64}))
+    assert "divisible by the 2 GPUs of a worker; use 62 or 64" in error_of(
+        ps(cluster={"ps": 1, "gpus_per_worker": 2}, train={"global_batch_size": 63}))
 
 
 def test_overrides_set_nested_keys_with_yaml_types():

@@ -57,11 +57,28 @@ def build_metrics(spec: JobSpec) -> dict[str, keras.metrics.Metric]:
         resolved = _ACCURACY_BY_LOSS.get(spec.loss.name, name) if name in ("accuracy", "acc") else name
         metric = keras.metrics.get(resolved)
         if inspect.isclass(metric):
-            metric = metric()
+            metric = metric(**_logit_options(metric, spec))
+        elif isinstance(metric, keras.metrics.Metric) and _logit_options(type(metric), spec):
+            metric = type(metric).from_config({**metric.get_config(), **_logit_options(type(metric), spec)})
         elif not isinstance(metric, keras.metrics.Metric):
             metric = keras.metrics.MeanMetricWrapper(metric, name=name)
         out[name] = metric
     return out
+
+
+def _logit_options(metric_class, spec: JobSpec) -> dict[str, Any]:
+    """A model that outputs logits (loss.from_logits) needs metrics that know it: AUC takes
+    from_logits, and a binary accuracy's threshold moves from 0.5 to 0 (sigmoid(0) = 0.5)."""
+    if not spec.loss.from_logits:
+        return {}
+    params = inspect.signature(metric_class.__init__).parameters
+    if "from_logits" in params:
+        return {"from_logits": True}
+    if metric_class is keras.metrics.BinaryAccuracy:
+        return {"threshold": 0.0}
+    if metric_class in (keras.metrics.Precision, keras.metrics.Recall):
+        return {"thresholds": 0.0}
+    return {}
 
 
 class Accumulator:
@@ -115,6 +132,14 @@ class StepFunctions:
     global_sum: Callable  # (local vector) -> vector summed over all workers (a collective)
 
 
+def align_labels(y, pred):
+    """A label column of shape (batch,) against a model output of shape (batch, 1), the usual binary
+    classifier: give the labels the output's rank, as Keras's losses need."""
+    if y.shape.rank is not None and pred.shape.rank == y.shape.rank + 1 and pred.shape[-1] == 1:
+        return tf.expand_dims(y, -1)
+    return y
+
+
 def _float32(pred):
     """Model outputs in float32 for the loss and metrics (mixed precision computes in 16 bits)."""
     return tf.nest.map_structure(lambda t: tf.cast(t, tf.float32) if t.dtype.is_floating else t, pred)
@@ -133,6 +158,7 @@ def make_step_functions(strategy: tf.distribute.Strategy, model: keras.Model, op
         gradient all-reduce in apply_gradients stays outside the compiled part)."""
         with tf.GradientTape() as tape:
             pred = _float32(model(x, training=True))
+            y = align_labels(y, pred)
             per_example = loss_fn(y, pred)
             if weight is not None:  # padding rows (data.remainder: pad) weigh 0
                 per_example = per_example * tf.cast(weight, per_example.dtype)
@@ -160,6 +186,7 @@ def make_step_functions(strategy: tf.distribute.Strategy, model: keras.Model, op
 
     def eval_replica(x, y, w):
         pred = _float32(model(x, training=False))
+        y = align_labels(y, pred)
         return eval_acc.delta(y, pred, loss_fn(y, pred), weight=w)
 
     @tf.function

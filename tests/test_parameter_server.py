@@ -1,0 +1,140 @@
+"""ParameterServerStrategy on the local multi-node cluster: a chief, ps tasks and workers as actors of one
+placement group, real TF gRPC between them, Criteo-shaped Parquet data."""
+import textwrap
+
+import keras
+import pytest
+
+from raytf.controller import run
+from raytf.errors import TrainingFailed
+from raytf.spec import load
+from raytf.synthetic import criteo_like
+from tests.conftest import assert_nothing_left, write_job
+from tests.faults import Killer
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+
+TRAIN_ROWS = 6000
+BATCH = 100
+STEPS_PER_EPOCH = TRAIN_ROWS // BATCH
+
+# Wide and deep over 4 hashed categorical columns and 3 dense counts. The shared table (4 x 512 rows x 8)
+# is 64 KiB, above the 16 KiB shard size the specs below ask for: the partitioner must split it.
+PS_MODEL = textwrap.dedent('''
+    import keras
+    from keras import layers
+    import raytf.layers
+
+    CATEGORICAL = ["C1", "C5", "C10", "C2"]
+    DENSE = ["I1", "I6", "I2"]
+    BUCKETS = 512
+
+    def build_model():
+        inputs = {n: keras.Input(shape=(), name=n, dtype="int64") for n in DENSE}
+        inputs.update({n: keras.Input(shape=(), name=n, dtype="string") for n in CATEGORICAL})
+        ids = layers.Concatenate()([layers.Reshape((1,))(layers.Hashing(BUCKETS, salt=j)(inputs[n]) + j * BUCKETS)
+                                    for j, n in enumerate(CATEGORICAL)])
+        table = raytf.layers.Embedding(BUCKETS * len(CATEGORICAL), 8, name="table")
+        deep = layers.Flatten()(table(ids))
+        counts = layers.Concatenate()([layers.Reshape((1,))(inputs[n]) for n in DENSE])
+        dense = keras.ops.log1p(keras.ops.cast(counts, "float32"))
+        hidden = layers.Dense(16, activation="relu")(layers.Concatenate()([deep, dense]))
+        return keras.Model(inputs, layers.Dense(1)(hidden))
+''')
+
+
+@pytest.fixture(scope="module")
+def criteo_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("criteo")
+    criteo_like(root / "train", TRAIN_ROWS, files=3, row_group_size=700, vocab=400, seed=1)
+    criteo_like(root / "val", 1000, files=1, row_group_size=500, vocab=400, seed=2)
+    return root
+
+
+@pytest.fixture
+def ps_dir(job_dir, criteo_data):
+    (job_dir / "psmodel.py").write_text(PS_MODEL)
+    return job_dir
+
+
+def ps_spec(criteo_data, **changes):
+    spec = {
+        "name": "ps",
+        "strategy": "parameter_server",
+        "model": "psmodel:build_model",
+        "data": {"train": str(criteo_data / "train"), "validation": str(criteo_data / "val"),
+                 "features": ["I1", "I6", "I2", "C1", "C5", "C10", "C2"], "label": "label",
+                 "fill_nulls": {"I1": 0, "I6": 0, "I2": 0}},
+        "loss": {"name": "binary_crossentropy", "from_logits": True},
+        "optimizer": {"name": "adam", "learning_rate": 0.01},
+        "metrics": ["auc"],
+        "train": {"epochs": 3, "global_batch_size": BATCH, "seed": 0, "shuffle_buffer": 2000},
+        "cluster": {"workers": 2, "ps": 1, "cpus_per_worker": 0.5, "cpus_per_ps": 0.25, "cpus_per_chief": 0.25,
+                    "reserve_timeout_s": 30, "variable_partitioner": {"kind": "min_size", "min_shard_bytes": 16384}},
+        "output": {"tensorboard": False},
+    }
+    for key, value in changes.items():
+        spec[key] = {**spec[key], **value} if isinstance(value, dict) and isinstance(spec.get(key), dict) else value
+    return spec
+
+
+def test_one_ps_two_workers_train_with_the_variables_on_the_ps(cluster, ps_dir, criteo_data):
+    result = run(load(write_job(ps_dir, ps_spec(criteo_data, output={"tensorboard": True}))))
+
+    assert result.status == "succeeded"
+    assert [t["role"] for t in result.tasks] == ["chief", "ps", "worker", "worker"]
+    losses = [h["loss"] for h in result.history]
+    assert losses[-1] < losses[0] - 0.02, losses
+    assert [h["examples"] for h in result.history] == [STEPS_PER_EPOCH * BATCH] * 3
+    assert result.history[-1]["val_examples"] == 1000  # every validation row once, on the chief
+    assert result.tasks[0]["steps"] == 3 * STEPS_PER_EPOCH
+    # Every variable lives on the ps task; the table is split in shards there (max 1 shard per ps
+    # for min_size: so one here), the dense layers are whole.
+    devices = result.variable_devices
+    assert set(devices) >= {"table/embeddings", "dense/kernel"}
+    assert all(d.startswith("/job:ps/replica:0/task:0/") for ds in devices.values() for d in ds), devices
+    model = keras.models.load_model(result.model_path)  # a plain Keras model, with raytf.layers.Embedding
+    assert model.get_layer("table").get_weights()[0].shape == (2048, 8)
+    assert result.tensorboard_dir is not None
+    assert_nothing_left()
+
+
+def test_two_ps_split_the_table_and_the_evaluator_reports_each_epoch(cluster, ps_dir, criteo_data):
+    spec = ps_spec(criteo_data, train={"epochs": 2},
+                   cluster={"ps": 2, "evaluator": True, "cpus_per_worker": 0.25},
+                   checkpoint={"dir": str(ps_dir / "ckpt"), "every_epochs": 1, "keep": 5})
+    result = run(load(write_job(ps_dir, spec)))
+
+    assert [t["role"] for t in result.tasks] == ["chief", "ps", "ps", "worker", "worker", "evaluator"]
+    shards = result.variable_devices["table/embeddings"]
+    assert sorted(d.split("/device")[0] for d in shards) == ["/job:ps/replica:0/task:0", "/job:ps/replica:0/task:1"]
+    # The evaluator (not the chief) evaluated the end-of-epoch checkpoints: val_* in each epoch's metrics.
+    assert [e.get("epoch") for e in result.evaluations if "epoch" in e][-1] == 2
+    assert result.evaluations[-1]["step"] == 2 * STEPS_PER_EPOCH
+    assert all(e["val_examples"] == 1000 for e in result.evaluations)
+    assert "val_loss" in result.history[-1] and result.history[-1]["val_loss"] == result.evaluations[-1]["val_loss"]
+    assert_nothing_left()
+
+
+def test_a_killed_worker_does_not_stop_the_job(cluster, ps_dir, criteo_data):
+    # ranks: chief 0, ps 1, workers 2 and 3; kill worker 1 (rank 3) once the chief is 40 steps in
+    killer = Killer(rank=3, at_step=20, attempts={1}, watch=0)
+    # long enough (about 20 s) for the replacement to start and for the coordinator to take it back
+    result = run(load(write_job(ps_dir, ps_spec(criteo_data, train={"epochs": 30}))), group_cls=killer.group_cls)
+
+    assert killer.killed_at, "the worker was never killed"
+    assert result.status == "succeeded" and result.restarts == []
+    assert result.tasks[0]["steps"] == 30 * STEPS_PER_EPOCH  # every scheduled step ran
+    assert [h["examples"] for h in result.history] == [STEPS_PER_EPOCH * BATCH] * 30
+    assert len(result.worker_losses) == 1 and result.worker_losses[0]["worker"] == 1
+    assert result.worker_losses[0]["replaced"] is True  # a new actor took its address,
+    assert result.worker_losses[0]["rejoined"] is True  # and the coordinator took the worker back
+    assert_nothing_left()
+
+
+def test_a_killed_ps_fails_the_job_with_its_cause(cluster, ps_dir, criteo_data):
+    killer = Killer(rank=1, at_step=20, watch=0)
+    with pytest.raises(TrainingFailed, match=r"ps 0 \(rank 1, .*actor died"):
+        run(load(write_job(ps_dir, ps_spec(criteo_data, train={"epochs": 20}))), group_cls=killer.group_cls)
+    assert killer.killed_at
+    assert_nothing_left()
