@@ -214,3 +214,40 @@ def test_cli_data_commands(tmp_path):
     assert shown.exit_code == 0 and "1,000 rows in 2 file(s)" in shown.output and "worker 2: 334 rows" in shown.output
     missing = CliRunner().invoke(main, ["data", "inspect", str(tmp_path / "none")])
     assert missing.exit_code == 2 and "does not exist" in missing.output
+
+
+def test_parameter_server_records_hold_each_workers_shard_and_read_back_with_tf_ops_only(dataset_dir, tmp_path,
+                                                                                        monkeypatch):
+    import tensorflow as tf
+
+    info = data.describe(str(dataset_dir), ["x", "vec"], "y")
+    shards = data.plan_shards([p.num_rows for p in info.pieces], 2)
+    for i, shard in enumerate(shards):  # as each worker actor does, in its own folder
+        written = data.write_records(info, str(dataset_dir), shard, str(tmp_path / f"w{i}" / data.RECORDS_DIR / "t"),
+                                     chunk_rows=3)
+        assert written == data.shard_rows(shard)
+    seen = []
+    for i, shard in enumerate(shards):
+        monkeypatch.chdir(tmp_path / f"w{i}")  # the pipeline reads a relative path, like on a worker
+        rows = data.shard_rows(shard)
+        ds = data.record_dataset(info, f"{data.RECORDS_DIR}/t", batch_size=rows, shuffle_buffer=0, seed=0)
+        assert not any("PyFunc" in op for op in _dataset_ops(ds))  # runnable on a remote TF worker
+        (x, y), again = list(ds.take(2))[0], list(ds.take(2))[1]
+        assert np.array_equal(x["vec"].numpy()[:, 0], y.numpy())  # columns stay aligned
+        assert np.array_equal(again[1].numpy(), y.numpy())  # endless: the next pass follows
+        seen.extend(y.numpy().tolist())
+        shuffled = data.record_dataset(info, f"{data.RECORDS_DIR}/t", batch_size=rows, shuffle_buffer=100, seed=0)
+        batches = [b[1].numpy().tolist() for b in shuffled.take(4)]
+        # the shuffle buffer spans passes (the stream has no epochs): rows of the shard only, all of them, mixed
+        assert set(sum(batches, [])) == set(y.numpy().tolist()) and batches[0] != sorted(batches[0])
+    assert sorted(seen) == list(range(38))  # every row in exactly one worker's records
+    with pytest.raises(ValueError, match="shard has no rows"):
+        data.write_records(info, str(dataset_dir), [], str(tmp_path / "empty"))
+
+
+def _dataset_ops(ds):
+    """The op types of a dataset's graph (functions included)."""
+    from tensorflow.core.framework import graph_pb2
+
+    graph = graph_pb2.GraphDef.FromString(ds._as_serialized_graph().numpy())
+    return [n.op for n in graph.node] + [n.op for f in graph.library.function for n in f.node_def]

@@ -30,3 +30,23 @@ def test_strict_spread_over_too_few_nodes_suggests_pack():
 def test_busy_cluster_says_so():
     msg = shortage_message([{"CPU": 1}] * 2, "PACK", 5, {"CPU": 2}, {"CPU": 0}, [{"CPU": 2}])
     assert "busy" in msg and "{CPU: 0} available now" in msg
+
+
+def test_a_parameter_server_job_has_a_chief_ps_and_worker_bundles_in_that_order():
+    from raytf.placement import bundle_roles, job_bundles
+    from raytf.spec import parse
+    from tests.conftest import base_spec
+
+    spec = parse(base_spec(strategy="parameter_server",
+                           cluster={"workers": 2, "ps": 2, "cpus_per_ps": 2, "cpus_per_chief": 0.5,
+                                    "gpus_per_worker": 1, "cpus_per_worker": 1, "evaluator": True},
+                           checkpoint={"dir": "ckpt"}))
+    assert bundle_roles(spec) == ["chief", "ps", "ps", "worker", "worker", "evaluator"]
+    assert job_bundles(spec) == [{"CPU": 0.5}, {"CPU": 2.0}, {"CPU": 2.0}, {"CPU": 1.0, "GPU": 1.0},
+                                 {"CPU": 1.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}]
+    mirrored = parse(base_spec())
+    assert bundle_roles(mirrored) == ["worker", "worker"] and job_bundles(mirrored) == [{"CPU": 0.5}] * 2
+    # a shortage of mixed bundles lists each shape
+    msg = shortage_message(job_bundles(spec), "PACK", 5, {"CPU": 4}, {"CPU": 4}, [{"CPU": 4}])
+    assert "asked for 6 bundles (1 x {CPU: 0.5}, 2 x {CPU: 2}, 3 x {CPU: 1, GPU: 1}; total {CPU: 7.5, GPU: 3}" in msg
+    assert "It lacks CPU, GPU" in msg

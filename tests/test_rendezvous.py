@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from raytf.rendezvous import ActorReport, assign_ranks, cluster_spec, tf_config
+from raytf.rendezvous import ActorReport, assign_ranks, assign_roles, cluster_spec, tf_config
 
 
 def report(bundle, node, port=1000, gpus=(), ip=None):
@@ -48,3 +48,21 @@ def test_tf_config_lists_every_worker_by_rank_and_names_this_task():
 def test_ipv6_addresses_are_bracketed():
     tasks = assign_ranks([report(0, "n1", port=5000, ip="fe80::1")])
     assert cluster_spec(tasks) == {"worker": ["[fe80::1]:5000"]}
+
+
+def test_parameter_server_roles_follow_bundle_order_and_the_evaluator_stays_out_of_tfs_cluster():
+    roles = ["chief", "ps", "ps", "worker", "worker", "worker", "evaluator"]
+    reports = [report(b, "n1" if b % 2 else "n2") for b in range(len(roles))]
+    tasks = assign_roles(list(reversed(reports)), roles)
+    assert [(t.rank, t.role, t.index) for t in tasks] == [
+        (0, "chief", 0), (1, "ps", 0), (2, "ps", 1), (3, "worker", 0), (4, "worker", 1), (5, "worker", 2),
+        (6, "evaluator", 0)]
+    spec = cluster_spec(tasks)
+    assert set(spec) == {"chief", "ps", "worker"} and len(spec["worker"]) == 3
+    assert spec["ps"] == [tasks[1].address, tasks[2].address]
+    config = json.loads(tf_config(tasks, tasks[4]))
+    assert config["task"] == {"type": "worker", "index": 1} and "evaluator" not in config["cluster"]
+    with pytest.raises(ValueError, match="do not match the 3 roles"):
+        assign_roles(reports[:2], roles[:3])
+    with pytest.raises(ValueError, match="first bundle must be the one chief"):
+        assign_roles(reports[:2], ["ps", "chief"])
