@@ -138,3 +138,15 @@ def test_a_killed_ps_fails_the_job_with_its_cause(cluster, ps_dir, criteo_data):
         run(load(write_job(ps_dir, ps_spec(criteo_data, train={"epochs": 20}))), group_cls=killer.group_cls)
     assert killer.killed_at
     assert_nothing_left()
+
+
+def test_resume_continues_a_parameter_server_run_from_its_checkpoint(cluster, ps_dir, criteo_data):
+    ckpt = {"dir": str(ps_dir / "ckpt"), "every_epochs": 1, "keep": 2}
+    first = run(load(write_job(ps_dir, ps_spec(criteo_data, train={"epochs": 2}, checkpoint=ckpt))))
+    resumed = run(load(write_job(ps_dir, ps_spec(criteo_data, train={"epochs": 3}, checkpoint=ckpt))), resume=True)
+
+    assert resumed.tasks[0]["steps"] == 3 * STEPS_PER_EPOCH  # the step counter went on from the checkpoint,
+    assert [h["epoch"] for h in resumed.history] == [1, 2, 3]  # epochs 1-2 came from it, epoch 3 ran
+    assert resumed.history[:2] == first.history
+    assert resumed.history[2]["loss"] < first.history[0]["loss"]  # the weights came back, not fresh ones
+    assert_nothing_left()
