@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 from typing import Any, Callable
 
@@ -369,7 +370,8 @@ def _supervise_parameter_server(group: WorkerGroup, tasks: list[rendezvous.Task]
                                 display: ProgressDisplay, epochs: EpochFeed, result: Result) -> list[dict[str, Any]]:
     """Wait for the chief (then the evaluator) while showing progress. A worker that dies is only a
     loss of capacity: the coordinator re-runs its step elsewhere, and raytf starts a replacement at the
-    same address for the coordinator to take back. A dead ps task, a chief error or a hang ends the attempt."""
+    same address for the coordinator to take back. A dead ps task, a chief error or a chief without
+    progress ends the attempt. The evaluator is a side-car: its failure is recorded, never fatal."""
     spec = payload.spec
     hang_timeout_s = spec.failure.hang_timeout_s
     refs = group.train(payload)
@@ -379,6 +381,7 @@ def _supervise_parameter_server(group: WorkerGroup, tasks: list[rendezvous.Task]
     outcomes: dict[int, dict[str, Any]] = {}
     chief_seen = (None, time.time())
     chief_done_at: float | None = None
+    replacing: list[_Replacement] = []
     replacements_left = 2 * spec.cluster.workers
     rate = _Rate()
     while awaited:
@@ -386,31 +389,39 @@ def _supervise_parameter_server(group: WorkerGroup, tasks: list[rendezvous.Task]
         for ref in done:
             task = task_of.pop(ref)
             try:
-                value = ray.get(ref)
+                outcomes[task.rank] = ray.get(ref)
             except Exception as exc:
-                if task.role != "worker":
-                    errors = [_rank_error(task.rank, exc)]
-                    failure = failure_lib.aggregate(errors)
+                if task.role == "evaluator":
+                    result.evaluations_error = describe(exc)
+                    display.message(f"raytf: the evaluator failed ({result.evaluations_error}); training goes on")
+                elif task.role == "worker":
+                    watched.remove(ref)
+                    loss = {"worker": task.index, "node_ip": task.node_ip, "at": round(time.time(), 3),
+                            "cause": describe(exc), "replaced": False}
+                    result.worker_losses.append(loss)
+                    display.message(f"raytf: worker {task.index} on {task.node_ip} lost ({loss['cause']}); "
+                                    f"the other workers go on")
+                    if replacements_left > 0 and chief_done_at is None:
+                        replacements_left -= 1
+                        replacing.append(_Replacement(group, task, payload, loss))
+                    continue
+                else:
+                    failure = failure_lib.aggregate([_rank_error(task.rank, exc)])
                     message = f"{task.role} {task.index} (rank {task.rank}, {task.node_ip}): {failure.message}"
                     raise AttemptFailed(dataclasses.replace(failure, message=message), [task.node_ip]) from None
-                watched.remove(ref)
-                loss = {"worker": task.index, "node_ip": task.node_ip, "at": round(time.time(), 3),
-                        "cause": describe(exc), "replaced": False}
-                result.worker_losses.append(loss)
-                display.message(f"raytf: worker {task.index} on {task.node_ip} lost ({loss['cause']}); "
-                                f"the other workers go on")
-                if replacements_left > 0:
-                    replacements_left -= 1
-                    new_ref = _replace_worker(group, task, payload, display)
-                    if new_ref is not None:
-                        loss["replaced"] = True
-                        task_of[new_ref] = task
-                        watched.append(new_ref)
-                continue
-            outcomes[task.rank] = value
-            awaited.remove(ref)
+            if ref in awaited:
+                awaited.remove(ref)
             if task.role == "chief":
                 chief_done_at = time.time()
+        for replacement in [r for r in replacing if r.finished]:
+            replacing.remove(replacement)
+            if replacement.ref is not None:
+                replacement.loss["replaced"] = True
+                task_of[replacement.ref] = replacement.task
+                watched.append(replacement.ref)
+            display.message(f"raytf: worker {replacement.task.index} " +
+                            (f"is back at {replacement.task.address}" if replacement.ref is not None
+                             else f"could not be brought back ({replacement.error})"))
         if not awaited:
             break
         progress = group.progress(timeout_s=POLL_INTERVAL_S * 4)
@@ -422,25 +433,40 @@ def _supervise_parameter_server(group: WorkerGroup, tasks: list[rendezvous.Task]
                 chief_seen = (marker, now)
             epochs.feed(chief.get("epochs", []))
             display.update(chief, rate.update(chief))
-        stalled_since = chief_done_at if chief_done_at is not None else chief_seen[1]
-        if now - stalled_since > hang_timeout_s:
-            who = "the evaluator did not finish" if chief_done_at else "no progress from the chief"
-            message = f"training hung: {who} for {hang_timeout_s:g}s (failure.hang_timeout_s)"
+        if chief_done_at is None and now - chief_seen[1] > hang_timeout_s:
+            message = f"training hung: no progress from the chief for {hang_timeout_s:g}s (failure.hang_timeout_s)"
             raise AttemptFailed(Failure("hang", message, (0,), {message: [0]}), [tasks[0].node_ip])
+        if chief_done_at is not None and now - chief_done_at > hang_timeout_s:  # only the evaluator is left
+            result.evaluations_error = (f"the evaluator did not finish within {hang_timeout_s:g}s "
+                                        f"(failure.hang_timeout_s) after training ended")
+            display.message(f"raytf: {result.evaluations_error}; stopping it")
+            for ref in awaited:
+                evaluator = task_of[ref]
+                final = (progress[evaluator.rank] or {}).get("evaluations", [])
+                outcomes[evaluator.rank] = {"evaluations": final, "history": []}
+            break
     return [outcomes.get(t.rank, {}) for t in tasks]
 
 
-def _replace_worker(group: WorkerGroup, task: rendezvous.Task, payload: WorkerPayload,
-                    display: ProgressDisplay):
-    """A new actor in the dead worker's bundle, serving at the same address (TF's cluster is fixed at
-    start); its train ref, or None when that cannot be had."""
-    try:
-        ref = group.replace(task, payload, payload.spec.cluster.start_timeout_s)
-    except Exception as exc:
-        display.message(f"raytf: worker {task.index} could not be brought back ({describe(exc)})")
-        return None
-    display.message(f"raytf: worker {task.index} is back at {task.address}")
-    return ref
+class _Replacement:
+    """A new actor for a dead worker, in its bundle and at its address (TF's cluster is fixed at start),
+    started in a thread so the supervisor keeps watching meanwhile. `ref`: its train ref once set up."""
+
+    def __init__(self, group: WorkerGroup, task: rendezvous.Task, payload: WorkerPayload, loss: dict):
+        self.task, self.loss = task, loss
+        self.ref, self.error = None, None
+        self._thread = threading.Thread(target=self._run, args=(group, payload), daemon=True)
+        self._thread.start()
+
+    @property
+    def finished(self) -> bool:
+        return not self._thread.is_alive()
+
+    def _run(self, group: WorkerGroup, payload: WorkerPayload) -> None:
+        try:
+            self.ref = group.replace(self.task, payload, payload.spec.cluster.start_timeout_s)
+        except Exception as exc:
+            self.error = describe(exc)
 
 
 def _rank_error(rank: int, exc: BaseException) -> failure_lib.RankError:

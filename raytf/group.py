@@ -5,6 +5,7 @@ or bundles that did not answer, never a hang.
 """
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -45,6 +46,8 @@ def summary(message: str, limit: int = 300) -> str:
     """One line of an error message that names the cause: the first line, except where TensorFlow
     opens with "Graph execution error:" and a traceback, whose cause is the last plain line (before
     op lines such as `[[IteratorGetNext]]`)."""
+    # A remote TF error carries the gRPC details after the cause; they are not it.
+    message = message.split("\nAdditional GRPC error information")[0]
     lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
     if not lines:
         return ""
@@ -60,6 +63,8 @@ class WorkerGroup:
         self.actors: list[Any] = []  # by bundle index
         self.tasks: list[Task] = []  # by rank
         self._by_rank: list[Any] = []
+        self._lock = threading.Lock()
+        self._stopped = False
 
     def start(self, timeout_s: float) -> list[ActorReport]:
         """Create one actor per bundle and collect what each reports about itself."""
@@ -86,14 +91,21 @@ class WorkerGroup:
     def replace(self, task: Task, payload: WorkerPayload, timeout_s: float) -> ray.ObjectRef:
         """A new actor for a dead task, in its bundle and at its port, set up as the task was; returns its
         train ref. Fails when the bundle has moved to another node (the address would change)."""
-        actor = self._create(task.bundle_index, port=task.port)
-        self.actors[task.bundle_index] = actor
+        with self._lock:  # a replacement racing the end of the attempt must not outlive it
+            if self._stopped:
+                raise WorkerStartupError("the attempt has ended")
+            actor = self._create(task.bundle_index, port=task.port)
+            self.actors[task.bundle_index] = actor  # stop() kills it whatever happens next
+        try:
+            report = self._get([actor.report.remote()], timeout_s, "report in", [f"rank {task.rank}"])[0]
+            if report.node_ip != task.node_ip:
+                raise WorkerStartupError(f"its bundle moved from {task.node_ip} to {report.node_ip}")
+            self._get([actor.setup.remote(task, tf_config(self.tasks, task), len(self.tasks), payload)], timeout_s,
+                      "start TensorFlow", [f"rank {task.rank}"])
+        except Exception:
+            ray.kill(actor, no_restart=True)
+            raise
         self._by_rank[task.rank] = actor
-        report = self._get([actor.report.remote()], timeout_s, "report in", [f"rank {task.rank}"])[0]
-        if report.node_ip != task.node_ip:
-            raise WorkerStartupError(f"its bundle moved from {task.node_ip} to {report.node_ip}")
-        self._get([actor.setup.remote(task, tf_config(self.tasks, task), len(self.tasks), payload)], timeout_s,
-                  "start TensorFlow", [f"rank {task.rank}"])
         return actor.train.remote(payload)
 
     def train(self, payload: WorkerPayload) -> list[ray.ObjectRef]:
@@ -113,12 +125,14 @@ class WorkerGroup:
         return out
 
     def stop(self) -> None:
-        for actor in self.actors:
+        with self._lock:
+            self._stopped = True
+            actors, self.actors, self._by_rank = self.actors, [], []
+        for actor in actors:
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:  # already dead
                 pass
-        self.actors, self._by_rank = [], []
 
     @staticmethod
     def _get(refs: list, timeout_s: float, what: str, names: list[str]) -> list:

@@ -33,6 +33,7 @@ class Result:
     # results per checkpoint, and workers that died and were (or could not be) brought back
     variable_devices: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     evaluations: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    evaluations_error: str | None = None  # the evaluator failed or did not finish; training still counts
     worker_losses: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     @property

@@ -239,6 +239,8 @@ class JobSpec(_Strict):
              "remove it: a parameter-server job already goes on when workers die"),
             (self.data is not None and self.data.remainder == "pad", "data.remainder: pad",
              "use remainder: drop (each worker streams its shard endlessly)"),
+            (self.cluster.gpu_placement == "per_node", "cluster.gpu_placement: per_node",
+             "use per_gpu or set gpus_per_worker (per_node would put the chief and every ps task on a node of its own)"),
         ]
         for bad, what, fix in refused:
             if bad:

@@ -283,7 +283,9 @@ def reported_metrics(spec: JobSpec) -> list[str] | None:
     if spec.train_fn is not None:
         return None
     names = ["loss", *spec.metrics]
-    if spec.data is not None and spec.data.validation is not None:
+    # A parameter-server evaluator's val_* arrive after the epochs they belong to: not reported per epoch.
+    evaluator = spec.strategy == "parameter_server" and spec.cluster.evaluator
+    if spec.data is not None and spec.data.validation is not None and not evaluator:
         names += [f"val_{n}" for n in names]
     return names
 

@@ -149,4 +149,9 @@ def test_resume_continues_a_parameter_server_run_from_its_checkpoint(cluster, ps
     assert [h["epoch"] for h in resumed.history] == [1, 2, 3]  # epochs 1-2 came from it, epoch 3 ran
     assert resumed.history[:2] == first.history
     assert resumed.history[2]["loss"] < first.history[0]["loss"]  # the weights came back, not fresh ones
+    # Two ps tasks would split the table in two: that checkpoint does not fit, and the error says why
+    # (rather than falling back to older checkpoints, which do not fit either).
+    changed = ps_spec(criteo_data, train={"epochs": 4}, checkpoint=ckpt, cluster={"ps": 2, "cpus_per_worker": 0.25})
+    with pytest.raises(TrainingFailed, match=r"holds variables split differently .*keep cluster.ps"):
+        run(load(write_job(ps_dir, changed)), resume=True)
     assert_nothing_left()

@@ -79,6 +79,14 @@ def test_parameter_server_specs_are_checked():
         ps(model=None, data=None, train_fn="tmodel:train"))
     assert "train.precision mixed_float16 is not supported" in error_of(ps(train={"precision": "mixed_float16"}))
     assert "failure.elastic is not supported" in error_of(ps(failure={"elastic": {"min_workers": 1}}))
+    assert "cluster.gpu_placement: per_node is not supported" in error_of(
+        ps(cluster={"ps": 1, "gpu_placement": "per_node", "gpus_per_worker": 2}))
+    # Tune: an evaluator's val_* come after the epochs, so a sweep cannot rank trials by them
+    from raytf.sweep import reported_metrics
+
+    with_evaluator = parse(ps(cluster={"ps": 1, "evaluator": True}, checkpoint={"dir": "ckpt"}))
+    assert reported_metrics(with_evaluator) == ["loss", "accuracy"]
+    assert reported_metrics(parse(ps())) == ["loss", "accuracy", "val_loss", "val_accuracy"]
     # one step's batch runs on one worker: it must divide by that worker's GPUs, not by all of them
     assert parse(ps(cluster={"ps": 1, "workers": 3, "gpus_per_worker": 2}, train={"global_batch_size": 64}))
     assert "divisible by the 2 GPUs of a worker; use 62 or 64" in error_of(

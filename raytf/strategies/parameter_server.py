@@ -14,6 +14,8 @@ task), checkpoints hold the raw TF variables, and the saved model is a plain cop
 """
 from __future__ import annotations
 
+import collections
+import json
 import logging
 import math
 import os
@@ -28,7 +30,7 @@ import keras
 from tensorflow.python.distribute.sharded_variable import ShardedVariable
 
 from raytf import data
-from raytf.checkpoint import CheckpointInfo, Storage
+from raytf.checkpoint import META, CheckpointInfo, Storage
 from raytf.errors import CheckpointCorrupt
 from raytf.spec import JobSpec, PartitionerSpec
 from raytf.strategies import steps as steps_lib
@@ -161,6 +163,7 @@ def run_chief(payload: WorkerPayload, ctx: TaskContext) -> dict[str, Any]:
         return eval_acc.delta(y, pred, loss_fn(y, pred), weight=w)
 
     validate = _validation(payload, global_batch) if not spec.cluster.evaluator else None
+    in_flight = IN_FLIGHT_PER_WORKER * spec.cluster.workers
     steps = steps_per_epoch(payload)
     writer = tf.summary.create_file_writer(os.path.join(ctx.staging_dir, "tensorboard")) \
         if spec.output.tensorboard else None
@@ -169,23 +172,21 @@ def run_chief(payload: WorkerPayload, ctx: TaskContext) -> dict[str, Any]:
     every_kind, every = spec.checkpoint.interval
     for epoch in range(position.epoch, spec.train.epochs + 1):
         started = time.time()
-        totals = np.zeros(sum(train_acc.sizes), np.float64)
+        resuming = epoch == position.epoch and position.step_in_epoch > 0
+        totals = np.array(position.totals, np.float64) if resuming and position.totals else \
+            np.zeros(sum(train_acc.sizes), np.float64)
         step = position.step_in_epoch if epoch == position.epoch else 0
         while step < steps:
-            # Schedule up to the next checkpoint (or the epoch's end), then fetch in order: each fetch is
-            # one step done, whichever worker ran it.
-            stop = steps
+            stop = steps  # the next checkpoint, or the epoch's end
             if every_kind == "steps":
                 stop = min(steps, step + every - global_step % every)
-            scheduled = [coordinator.schedule(train_step, args=(iterator,)) for _ in range(stop - step)]
-            for remote in scheduled:
-                delta = remote.fetch()
+            for delta in _run_steps(coordinator, train_step, iterator, stop - step, in_flight):
                 totals += delta
                 step += 1
                 global_step += 1
                 ctx.step(epoch, step, steps, global_step, delta[0] / max(delta[1], 1.0), global_batch)
             if every_kind == "steps" and global_step % every == 0 and step < steps:
-                checkpoints.save(global_step, epoch, step, history)
+                checkpoints.save(global_step, epoch, step, history, totals)
         coordinator.join()
         metrics = train_acc.results(totals)
         if validate is not None:
@@ -216,6 +217,25 @@ def run_chief(payload: WorkerPayload, ctx: TaskContext) -> dict[str, Any]:
             "variable_devices": variable_devices(model), "recovered_workers": recoveries.recovered}
 
 
+IN_FLIGHT_PER_WORKER = 4  # scheduled steps not yet fetched, per worker: enough to keep every worker busy
+
+
+def _run_steps(coordinator, train_step, iterator, count: int, in_flight: int):
+    """Yield the metric deltas of `count` train steps, in order, with at most `in_flight` scheduled and
+    not yet fetched. Fetching the oldest first is the progress; the window keeps a step that a dead
+    worker gave back (TF re-queues it at the end) from waiting behind a whole epoch of others."""
+    scheduled = collections.deque()
+    for _ in range(min(count, in_flight)):
+        scheduled.append(coordinator.schedule(train_step, args=(iterator,)))
+    left = count - len(scheduled)
+    while scheduled:
+        delta = scheduled.popleft().fetch()
+        if left > 0:
+            scheduled.append(coordinator.schedule(train_step, args=(iterator,)))
+            left -= 1
+        yield delta
+
+
 def _validation(payload: WorkerPayload, batch: int):
     """A function running eval_step over every validation row once, on the chief; returns the sums."""
     if payload.val_data is None:
@@ -238,8 +258,9 @@ def _validation(payload: WorkerPayload, batch: int):
 
 
 class _Position:
-    def __init__(self, epoch: int = 1, step_in_epoch: int = 0, global_step: int = 0, history=()):
+    def __init__(self, epoch: int = 1, step_in_epoch: int = 0, global_step: int = 0, history=(), totals=None):
         self.epoch, self.step_in_epoch, self.global_step, self.history = epoch, step_in_epoch, global_step, history
+        self.totals = totals  # the metric sums of the steps of this epoch done before a mid-epoch checkpoint
 
 
 class _Checkpoints:
@@ -249,6 +270,8 @@ class _Checkpoints:
 
     def __init__(self, state: tf.train.Checkpoint, model: keras.Model, payload: WorkerPayload, ctx: TaskContext):
         self.state, self.model, self.payload, self.ctx = state, model, payload, ctx
+        # Shard shapes per variable: a checkpoint only fits the same ps count and partitioner.
+        self.layout = {v.path: [s.shape.as_list() for s in tf_variables([v])] for v in model.weights}
         self.options = tf.train.CheckpointOptions(experimental_io_device=CHIEF_DEVICE)
         self.storage = Storage(payload.checkpoint_dir) if payload.checkpoint_dir else None
 
@@ -259,15 +282,28 @@ class _Checkpoints:
         self.ctx.phase("restoring")
         local = tempfile.mkdtemp(prefix="raytf-restore-")
         try:
-            Storage(self.payload.checkpoint_dir).download(resume, local)
-            self.state.read(os.path.join(local, "state"), options=self.options).assert_existing_objects_matched()
-        except Exception as exc:
-            raise CheckpointCorrupt(resume.path, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}") from None
+            try:
+                Storage(self.payload.checkpoint_dir).download(resume, local)
+                with open(os.path.join(local, META)) as f:
+                    meta = json.load(f)
+            except Exception as exc:
+                raise CheckpointCorrupt(resume.path, _first_line(exc)) from None
+            saved = meta.get("layout")
+            if saved is not None and saved != self.layout:
+                changed = sorted(k for k in set(saved) | set(self.layout) if saved.get(k) != self.layout.get(k))
+                raise ValueError(
+                    f"checkpoint {resume.path} holds variables split differently from this job's ({changed[0]}: "
+                    f"{saved.get(changed[0])} there, {self.layout.get(changed[0])} here); keep cluster.ps and "
+                    f"cluster.variable_partitioner as they were for that run, or use a fresh checkpoint.dir")
+            try:
+                self.state.read(os.path.join(local, "state"), options=self.options).assert_existing_objects_matched()
+            except Exception as exc:
+                raise CheckpointCorrupt(resume.path, _first_line(exc)) from None
         finally:
             shutil.rmtree(local, ignore_errors=True)
-        return _Position(resume.epoch, resume.step_in_epoch, resume.step, resume.history)
+        return _Position(resume.epoch, resume.step_in_epoch, resume.step, resume.history, meta.get("epoch_totals"))
 
-    def save(self, global_step: int, epoch: int, step_in_epoch: int, history: list) -> None:
+    def save(self, global_step: int, epoch: int, step_in_epoch: int, history: list, totals=None) -> None:
         if self.storage is None:
             return
         self.ctx.phase("checkpointing")
@@ -277,11 +313,16 @@ class _Checkpoints:
             np.savez(os.path.join(local, WEIGHTS_FILE), *self.model.get_weights())
             self.storage.upload(local, {"step": global_step, "epoch": epoch, "step_in_epoch": step_in_epoch,
                                         "history": history, "world_size": self.ctx.world_size,
-                                        "saved_at": time.time()})
+                                        "saved_at": time.time(), "layout": self.layout,
+                                        "epoch_totals": totals.tolist() if totals is not None else None})
             self.storage.prune(self.payload.spec.checkpoint.keep)
         finally:
             shutil.rmtree(local, ignore_errors=True)
         self.ctx.phase("train")
+
+
+def _first_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
 
 
 # ---------------------------------------------------------------- the evaluator side-car
@@ -321,7 +362,12 @@ def run_evaluator(payload: WorkerPayload, ctx: TaskContext) -> dict[str, Any]:
             ctx.phase("waiting for a checkpoint")
             continue
         ctx.phase("evaluating")
-        model.set_weights(_load_weights(storage, latest))
+        try:
+            weights = _load_weights(storage, latest)
+        except (OSError, KeyError, ValueError):  # pruned by the chief meanwhile: take the next latest
+            time.sleep(EVALUATOR_POLL_S)
+            continue
+        model.set_weights(weights)
         total = None
         for _ in range(val_steps):
             delta = eval_step(*next(iterator)).numpy()
