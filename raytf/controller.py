@@ -115,6 +115,7 @@ def run(job: Job, group_cls: Callable[..., WorkerGroup] = WorkerGroup,
     env = code_env if code_env is not None else upload_code(runtime_env(job))
     bad_checkpoints: set[str] = set()
     held = _HeldGroup(placement_group)
+    standby = _StandbyPool(spec.failure.standby and spec.failure.max_restarts > 0 and spec.strategy == "mirrored")
     base_payload = dataclasses.replace(build_payload(job), checkpoint_dir=job.checkpoint_dir)
     try:
         while True:
@@ -123,7 +124,7 @@ def run(job: Job, group_cls: Callable[..., WorkerGroup] = WorkerGroup,
             payload = dataclasses.replace(base_payload, resume_from=resume_from)
             try:
                 tasks, outcomes = _attempt(job, spec, payload, group_cls, env, display, result,
-                                           elastic=bool(result.restarts), epochs=epochs, held=held)
+                                           elastic=bool(result.restarts), epochs=epochs, held=held, standby=standby)
                 break
             except AttemptFailed as failed:
                 decision = failure_lib.decide(failed.failure, _counted(result.restarts), spec.failure.max_restarts)
@@ -145,6 +146,7 @@ def run(job: Job, group_cls: Callable[..., WorkerGroup] = WorkerGroup,
         result.write()
         raise
     finally:
+        standby.release()
         held.release()
 
     chief = outcomes[0]
@@ -248,6 +250,62 @@ def _reserve(spec: JobSpec, display: ProgressDisplay, elastic: bool):
     raise AssertionError("unreachable")
 
 
+class _StandbyPool:
+    """Warm actors for the next attempt, one per bundle, started once training runs (so they do not
+    compete with its start-up): each has imported TensorFlow and holds no resources. Most of a restart
+    is new processes importing TensorFlow; a restart promotes these instead (TF 2.21 cannot re-form a
+    collective group inside a process that was in one, so survivors cannot be reused)."""
+
+    STANDBY_CHECK_S = 1.0
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.pg = None
+        self.actors: dict[int, tuple[Any, tuple, str | None]] = {}
+
+    def fill(self, pg, bundles: list[dict[str, float]], env: dict[str, Any], tasks: list[rendezvous.Task]) -> None:
+        if not self.enabled or self.actors:
+            return
+        from raytf.group import create_actor
+
+        self.pg = pg
+        for t in tasks:
+            self.actors[t.bundle_index] = (create_actor(pg, t.bundle_index, {}, env), t.gpu_ids, t.cuda_visible_devices)
+
+    def take(self, pg, count: int) -> dict[int, tuple[Any, tuple, str | None]]:
+        """The live standbys of bundles 0..count-1 of this placement group; the others are let go."""
+        if not self.actors:
+            return {}
+        actors, self.actors = self.actors, {}
+        usable = {i: a for i, a in actors.items() if i < count and self.pg is not None and pg.id == self.pg.id}
+        refs = {i: a[0].report.remote() for i, a in usable.items()}
+        ready = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.STANDBY_CHECK_S)[0] if refs else []
+        alive = {}
+        for i, ref in refs.items():
+            if ref in ready:
+                try:
+                    ray.get(ref)
+                    alive[i] = usable[i]
+                except Exception:  # died with its node
+                    pass
+        for i, (actor, _, _) in actors.items():
+            if i not in alive:
+                _kill(actor)
+        return alive
+
+    def release(self) -> None:
+        for actor, _, _ in self.actors.values():
+            _kill(actor)
+        self.actors = {}
+
+
+def _kill(actor) -> None:
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # already gone
+        pass
+
+
 class _HeldGroup:
     """The placement group kept across attempts: a restart re-uses it (the resources are never let go,
     so no other job can take them meanwhile, and Ray moves bundles off a dead node by itself); it is
@@ -275,7 +333,7 @@ class _HeldGroup:
 
 
 def _attempt(job: Job, spec: JobSpec, payload: WorkerPayload, group_cls, env: dict, display: ProgressDisplay,
-             result: Result, elastic: bool, epochs: EpochFeed, held: _HeldGroup):
+             result: Result, elastic: bool, epochs: EpochFeed, held: _HeldGroup, standby: "_StandbyPool"):
     """Reserve (or re-use the held group), start, rendezvous, train; always stop the actors.
     Returns (tasks, outcomes by rank)."""
     phase = _PhaseClock(result.phases, time.time())
@@ -290,8 +348,12 @@ def _attempt(job: Job, spec: JobSpec, payload: WorkerPayload, group_cls, env: di
     phase.done("reserve_s")
     group = None
     try:
+        warm = standby.take(pg, len(bundles))
+        if result.restarts:
+            result.restarts[-1]["standby"] = len(warm)  # warm processes promoted (0: all new)
         for rendezvous_attempt in range(1, RENDEZVOUS_ATTEMPTS + 1):
-            group = group_cls(pg, bundles, env)
+            group = group_cls(pg, bundles, env, standby=warm) if warm else group_cls(pg, bundles, env)
+            warm = {}
             try:
                 tasks = _start(group, payload, spec.cluster.start_timeout_s)
             except PortTaken as exc:
@@ -310,7 +372,8 @@ def _attempt(job: Job, spec: JobSpec, payload: WorkerPayload, group_cls, env: di
         if spec.strategy == "parameter_server":
             outcomes = _supervise_parameter_server(group, tasks, payload, display, epochs, result)
         else:
-            outcomes = _supervise(group, tasks, payload, display, epochs, spec.failure.hang_timeout_s)
+            outcomes = _supervise(group, tasks, payload, display, epochs, spec.failure.hang_timeout_s,
+                                  on_training=lambda: standby.fill(pg, bundles, env, tasks))
         phase.done("train_s")
         return tasks, outcomes
     finally:
@@ -329,8 +392,10 @@ def _start(group: WorkerGroup, payload: WorkerPayload, timeout_s: float) -> list
 
 
 def _supervise(group: WorkerGroup, tasks: list[rendezvous.Task], payload: WorkerPayload,
-               display: ProgressDisplay, epochs: EpochFeed, hang_timeout_s: float) -> list[dict[str, Any]]:
-    """Wait for every rank while showing progress; the first failure or a hang ends the attempt."""
+               display: ProgressDisplay, epochs: EpochFeed, hang_timeout_s: float,
+               on_training: Callable[[], None] | None = None) -> list[dict[str, Any]]:
+    """Wait for every rank while showing progress; the first failure or a hang ends the attempt.
+    `on_training()` is called once, when the chief has trained its first step."""
     refs = group.train(payload)
     rank_of = {ref: rank for rank, ref in enumerate(refs)}
     outcomes: dict[int, dict[str, Any]] = {}
@@ -362,6 +427,9 @@ def _supervise(group: WorkerGroup, tasks: list[rendezvous.Task], payload: Worker
                                 sorted({tasks[r].node_ip for r in stalled}))
         if progress[0] is not None:
             epochs.feed(progress[0].get("epochs", []))
+            if on_training is not None and progress[0].get("global_step", 0) > 0:
+                on_training()
+                on_training = None
         display.update(progress[0], rate.update(progress[0]))
     return [outcomes[rank] for rank in range(len(refs))]
 

@@ -57,9 +57,21 @@ def summary(message: str, limit: int = 300) -> str:
     return lines[0][:limit]
 
 
+def create_actor(pg, index: int, bundle: dict[str, float], runtime_env: dict[str, Any], port: int = 0):
+    """A TaskActor in bundle `index`; an empty `bundle` makes a warm standby that takes no resources."""
+    return _RemoteTaskActor.options(
+        num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), max_concurrency=2,
+        max_restarts=0, runtime_env=runtime_env,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index),
+    ).remote(index, port)
+
+
 class WorkerGroup:
-    def __init__(self, pg, bundles: list[dict[str, float]], runtime_env: dict[str, Any]):
+    def __init__(self, pg, bundles: list[dict[str, float]], runtime_env: dict[str, Any],
+                 standby: dict[int, tuple[Any, tuple, str | None]] | None = None):
+        """standby: bundle index -> (warm actor, GPU ids, CUDA_VISIBLE_DEVICES) to use instead of a new actor."""
         self.pg, self.bundles, self.runtime_env = pg, bundles, runtime_env
+        self.standby = dict(standby or {})
         self.actors: list[Any] = []  # by bundle index
         self.tasks: list[Task] = []  # by rank
         self._by_rank: list[Any] = []
@@ -68,19 +80,19 @@ class WorkerGroup:
 
     def start(self, timeout_s: float) -> list[ActorReport]:
         """Create one actor per bundle and collect what each reports about itself."""
+        reports = []
         for index in range(len(self.bundles)):
-            self.actors.append(self._create(index))
-        return self._get([a.report.remote() for a in self.actors], timeout_s, "report in",
-                         [f"bundle {i}" for i in range(len(self.actors))])
+            if index in self.standby:
+                actor, gpu_ids, visible = self.standby.pop(index)
+                reports.append(actor.adopt.remote(gpu_ids, visible))
+            else:
+                actor = self._create(index)
+                reports.append(actor.report.remote())
+            self.actors.append(actor)
+        return self._get(reports, timeout_s, "report in", [f"bundle {i}" for i in range(len(self.actors))])
 
     def _create(self, index: int, port: int = 0):
-        bundle = self.bundles[index]
-        return _RemoteTaskActor.options(
-            num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), max_concurrency=2,
-            max_restarts=0, runtime_env=self.runtime_env,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=self.pg, placement_group_bundle_index=index),
-        ).remote(index, port)
+        return create_actor(self.pg, index, self.bundles[index], self.runtime_env, port)
 
     def setup(self, tasks: list[Task], payload: WorkerPayload, timeout_s: float) -> list[dict[str, Any]]:
         self.tasks = tasks

@@ -138,6 +138,9 @@ class FailureSpec(_Strict):
     max_restarts: int = Field(default=0, ge=0)
     # When the cluster cannot give back all workers after a failure, go on with fewer (>= min_workers).
     elastic: ElasticSpec | None = None
+    # With max_restarts > 0 (mirrored): once training runs, keep one warm process per worker with
+    # TensorFlow imported, so a restart promotes them instead of starting new ones.
+    standby: bool = True
 
 
 class CheckpointSpec(_Strict):
@@ -190,7 +193,9 @@ class JobSpec(_Strict):
         if self.strategy == "parameter_server":
             self._parameter_server_rules()
         else:
-            given = [k for k in PS_KEYS if k in self.cluster.model_fields_set]
+            # compared with the defaults, not "was it given": a spec dumped and parsed again (a sweep's
+            # trials) carries every key
+            given = [k for k in PS_KEYS if getattr(self.cluster, k) != ClusterSpec.model_fields[k].default]
             if given:
                 raise ValueError(f"cluster.{given[0]} is for strategy: parameter_server; remove it, or set "
                                  f"strategy: parameter_server")

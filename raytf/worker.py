@@ -35,6 +35,7 @@ class TaskActor:
         self._port = self._held.getsockname()[1]
         self._ctx: TaskContext | None = None
         self._task: Task | None = None
+        self._adopted_gpus: tuple[str, ...] | None = None
         self._strategy = None
         self._server = None  # a parameter-server job's ps or worker: TF's server, alive as long as the actor
         self._staging = tempfile.mkdtemp(prefix="raytf-task-")
@@ -45,10 +46,19 @@ class TaskActor:
 
     def report(self) -> ActorReport:
         ctx = ray.get_runtime_context()
+        gpu_ids = self._adopted_gpus if self._adopted_gpus is not None else tuple(str(g) for g in ray.get_gpu_ids())
         return ActorReport(bundle_index=self._bundle_index, node_id=ctx.get_node_id(),
-                           node_ip=ray.util.get_node_ip_address(), port=self._port,
-                           gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()),
+                           node_ip=ray.util.get_node_ip_address(), port=self._port, gpu_ids=gpu_ids,
                            cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+    def adopt(self, gpu_ids: tuple[str, ...], cuda_visible_devices: str | None) -> ActorReport:
+        """A warm standby (started with no resources of its own, TensorFlow already imported) takes the
+        place of a dead task in its bundle: the GPUs Ray gave that task become this process's, set before
+        TensorFlow initialises any device (importing it does not)."""
+        self._adopted_gpus = tuple(gpu_ids)
+        if cuda_visible_devices is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
+        return self.report()
 
     def release_port(self) -> None:
         if self._held is not None:

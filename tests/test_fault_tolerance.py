@@ -42,6 +42,7 @@ def test_a_killed_worker_costs_one_restart_and_the_run_ends_where_it_would_have(
     assert restart["kind"] == "actor_died" and restart["ranks"] == [1] and "actor died" in restart["reason"]
     assert restart["resumed_from_step"] in (120, 80)  # the latest checkpoint before the kill
     assert restart["resumed_from_step"] <= 130
+    assert restart["standby"] == 2  # both warm processes were promoted: no new process had to import TF
     planned = 4 * STEPS_PER_EPOCH
     assert [t["steps"] for t in result.tasks] == [planned, planned]
     assert [t["optimizer_steps"] for t in result.tasks] == [planned, planned]  # optimizer state came back too

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 import keras
+from tensorflow.python.distribute.coordinator.cluster_coordinator import PSUnavailableError
 from tensorflow.python.distribute.sharded_variable import ShardedVariable
 
 from raytf import data
@@ -176,19 +177,25 @@ def run_chief(payload: WorkerPayload, ctx: TaskContext) -> dict[str, Any]:
         totals = np.array(position.totals, np.float64) if resuming and position.totals else \
             np.zeros(sum(train_acc.sizes), np.float64)
         step = position.step_in_epoch if epoch == position.epoch else 0
+        unreported = 0  # steps whose metrics died with their worker
         while step < steps:
             stop = steps  # the next checkpoint, or the epoch's end
             if every_kind == "steps":
                 stop = min(steps, step + every - global_step % every)
             for delta in _run_steps(coordinator, train_step, iterator, stop - step, in_flight):
-                totals += delta
                 step += 1
                 global_step += 1
+                if delta is None:
+                    unreported += 1
+                    continue
+                totals += delta
                 ctx.step(epoch, step, steps, global_step, delta[0] / max(delta[1], 1.0), global_batch)
             if every_kind == "steps" and global_step % every == 0 and step < steps:
                 checkpoints.save(global_step, epoch, step, history, totals)
         coordinator.join()
         metrics = train_acc.results(totals)
+        if unreported:
+            metrics["steps_unreported"] = unreported
         if validate is not None:
             ctx.phase("validating")
             val = eval_acc.results(validate(eval_step))
@@ -229,11 +236,23 @@ def _run_steps(coordinator, train_step, iterator, count: int, in_flight: int):
         scheduled.append(coordinator.schedule(train_step, args=(iterator,)))
     left = count - len(scheduled)
     while scheduled:
-        delta = scheduled.popleft().fetch()
+        delta = _fetch(scheduled.popleft())
         if left > 0:
             scheduled.append(coordinator.schedule(train_step, args=(iterator,)))
             left -= 1
         yield delta
+
+
+def _fetch(remote):
+    """A step's metric deltas; None when the step ran but the worker holding its result died before the
+    chief copied it (the update is on the ps tasks; only the step's metrics are lost). A step that failed
+    raises its error, a ps task's failure included."""
+    try:
+        return remote.fetch()
+    except (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError) as exc:
+        if isinstance(exc, PSUnavailableError) or "/job:ps" in str(exc):
+            raise
+        return None
 
 
 def _validation(payload: WorkerPayload, batch: int):
