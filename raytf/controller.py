@@ -251,8 +251,8 @@ def _reserve(spec: JobSpec, display: ProgressDisplay, elastic: bool):
 
 
 class _StandbyPool:
-    """Warm actors for the next attempt, one per bundle, started once training runs (so they do not
-    compete with its start-up): each has imported TensorFlow and holds no resources. Most of a restart
+    """Warm actors for the next attempt, one per bundle (started once an attempt's actors are set up, or
+    once a restarted attempt trains again): each has imported TensorFlow and holds no resources. Most of a restart
     is new processes importing TensorFlow; a restart promotes these instead (TF 2.21 cannot re-form a
     collective group inside a process that was in one, so survivors cannot be reused)."""
 
@@ -372,8 +372,13 @@ def _attempt(job: Job, spec: JobSpec, payload: WorkerPayload, group_cls, env: di
         if spec.strategy == "parameter_server":
             outcomes = _supervise_parameter_server(group, tasks, payload, display, epochs, result)
         else:
+            # Warm processes for the next attempt import TensorFlow while the first one builds its model;
+            # after a restart, only once it trains again (they would slow the recovery down).
+            arm = lambda: standby.fill(pg, bundles, env, tasks)  # noqa: E731
+            if not result.restarts:
+                arm()
             outcomes = _supervise(group, tasks, payload, display, epochs, spec.failure.hang_timeout_s,
-                                  on_training=lambda: standby.fill(pg, bundles, env, tasks))
+                                  on_training=arm if result.restarts else None)
         phase.done("train_s")
         return tasks, outcomes
     finally:
