@@ -71,8 +71,7 @@ class TaskActor:
         from raytf.errors import PortTaken
 
         self._task = task
-        if task.role != "evaluator":  # not part of TF's cluster
-            os.environ["TF_CONFIG"] = tf_config
+        os.environ["TF_CONFIG"] = tf_config  # an evaluator's names the cluster it is not part of, as TF's do
         self._ctx = TaskContext(task.rank, world_size, payload.spec, self._staging, payload)
         if task.role == "worker" and payload.spec.strategy == "parameter_server":
             self._write_records(task, payload)  # before the server is up: the chief reads them at once

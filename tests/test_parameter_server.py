@@ -158,3 +158,20 @@ def test_resume_continues_a_parameter_server_run_from_its_checkpoint(cluster, ps
     with pytest.raises(TrainingFailed, match=r"holds variables split differently .*keep cluster.ps"):
         run(load(write_job(ps_dir, changed)), resume=True)
     assert_nothing_left()
+
+
+def test_a_sweep_runs_parameter_server_trials_each_in_its_own_placement_group(cluster, ps_dir, criteo_data):
+    import raytf
+
+    spec = ps_spec(criteo_data, train={"epochs": 2}, cluster={"workers": 1})
+    spec["tune"] = {"metric": "val_loss", "mode": "min", "space": {"optimizer.learning_rate": {"grid": [0.001, 0.03]}}}
+    result = raytf.tune(write_job(ps_dir, spec, "sweep.yaml"))
+
+    assert result.max_concurrent_trials == 2  # 1 CPU per trial: chief 0.25 + ps 0.25 + worker 0.5, on 1-CPU nodes
+    assert [r["status"] for r in result.rows] == ["completed", "completed"], result.table
+    finals = {r["point"]: r["final"] for r in result.rows}
+    assert result.best["point"] == min(finals, key=finals.get)
+    for r in result.rows:
+        saved = (ps_dir / "runs" / "ps" / "trials" / r["point"] / "result.json").read_text()
+        assert '"role": "ps"' in saved and '"role": "chief"' in saved
+    assert_nothing_left()
