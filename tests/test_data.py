@@ -218,8 +218,6 @@ def test_cli_data_commands(tmp_path):
 
 def test_parameter_server_records_hold_each_workers_shard_and_read_back_with_tf_ops_only(dataset_dir, tmp_path,
                                                                                         monkeypatch):
-    import tensorflow as tf
-
     info = data.describe(str(dataset_dir), ["x", "vec"], "y")
     shards = data.plan_shards([p.num_rows for p in info.pieces], 2)
     for i, shard in enumerate(shards):  # as each worker actor does, in its own folder

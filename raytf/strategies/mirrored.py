@@ -83,24 +83,15 @@ def run(strategy: tf.distribute.Strategy, payload: WorkerPayload, ctx: TaskConte
             if every_kind == "steps" and global_step % every == 0 and step < plan.steps:
                 checkpoints.save(global_step, epoch, step, history)
         metrics = train_acc.results(fns.global_sum(train_acc.total.read_value()).numpy())
+        val = None
         if plan.val_steps:
             ctx.phase("validating")
             eval_acc.total.assign(tf.zeros_like(eval_acc.total))
             for _ in range(plan.val_steps):
                 fns.evaluate(val_iterator)
             val = eval_acc.results(fns.global_sum(eval_acc.total.read_value()).numpy())
-            metrics.update({f"val_{k}": v for k, v in val.items() if k != "examples"})
-            metrics["val_examples"] = val["examples"]
-        metrics.update(epoch=epoch, seconds=round(time.time() - started, 3), step=global_step)
-        history.append(metrics)
-        ctx.epoch_end(metrics)
-        if writer is not None:
-            with writer.as_default(step=epoch):
-                for k, v in metrics.items():
-                    if k not in ("epoch", "step") and isinstance(v, float):
-                        tf.summary.scalar(k, v)
-            writer.flush()
-        if (every_kind == "steps" and global_step % every == 0) or (every_kind == "epochs" and epoch % every == 0):
+        steps_lib.end_epoch(ctx, writer, history, metrics, val, epoch, started, global_step)
+        if steps_lib.checkpoint_due(spec.checkpoint.interval, global_step, epoch):
             checkpoints.save(global_step, epoch + 1, 0, history)
 
     if ctx.is_chief:
@@ -162,11 +153,6 @@ class _Plan:
         return dataset_fn
 
 
-class _Position:
-    def __init__(self, epoch: int = 1, step_in_epoch: int = 0, global_step: int = 0, history=()):
-        self.epoch, self.step_in_epoch, self.global_step, self.history = epoch, step_in_epoch, global_step, history
-
-
 class Checkpointer:
     """Model + optimizer state (with its step counter) through tf.train.Checkpoint. Every worker writes
     (a MultiWorkerMirrored save may run collectives), each to its own temporary folder; the chief
@@ -177,10 +163,10 @@ class Checkpointer:
         self.payload, self.ctx = payload, ctx
         self.storage = Storage(payload.checkpoint_dir) if payload.checkpoint_dir else None
 
-    def restore(self) -> _Position:
+    def restore(self) -> steps_lib.Position:
         resume = self.payload.resume_from
         if resume is None:
-            return _Position()
+            return steps_lib.Position()
         self.ctx.phase("restoring")
         local = tempfile.mkdtemp(prefix="raytf-restore-")
         try:
@@ -190,7 +176,7 @@ class Checkpointer:
             raise CheckpointCorrupt(resume.path, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}") from None
         finally:
             shutil.rmtree(local, ignore_errors=True)
-        return _Position(resume.epoch, resume.step_in_epoch, resume.step, resume.history)
+        return steps_lib.Position(resume.epoch, resume.step_in_epoch, resume.step, resume.history)
 
     def save(self, global_step: int, epoch: int, step_in_epoch: int, history: list) -> None:
         if self.storage is None:

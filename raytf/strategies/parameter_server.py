@@ -196,23 +196,13 @@ def run_chief(payload: WorkerPayload, ctx: TaskContext) -> dict[str, Any]:
         metrics = train_acc.results(totals)
         if unreported:
             metrics["steps_unreported"] = unreported
+        val = None
         if validate is not None:
             ctx.phase("validating")
             val = eval_acc.results(validate(eval_step))
-            metrics.update({f"val_{k}": v for k, v in val.items() if k != "examples"})
-            metrics["val_examples"] = val["examples"]
-        metrics.update(epoch=epoch, seconds=round(time.time() - started, 3), step=global_step)
-        history.append(metrics)
-        ctx.epoch_end(metrics)
-        if writer is not None:
-            with writer.as_default(step=epoch):
-                for k, v in metrics.items():
-                    if k not in ("epoch", "step") and isinstance(v, float):
-                        tf.summary.scalar(k, v)
-            writer.flush()
-        last = epoch == spec.train.epochs
-        due = (every_kind == "steps" and global_step % every == 0) or (every_kind == "epochs" and epoch % every == 0)
-        if due or (last and spec.cluster.evaluator):  # the evaluator must see the final weights
+        steps_lib.end_epoch(ctx, writer, history, metrics, val, epoch, started, global_step)
+        final_for_evaluator = epoch == spec.train.epochs and spec.cluster.evaluator  # it must see the final weights
+        if steps_lib.checkpoint_due(spec.checkpoint.interval, global_step, epoch) or final_for_evaluator:
             checkpoints.save(global_step, epoch + 1, 0, history)
 
     weights = model.get_weights()
@@ -276,12 +266,6 @@ def _validation(payload: WorkerPayload, batch: int):
     return validate
 
 
-class _Position:
-    def __init__(self, epoch: int = 1, step_in_epoch: int = 0, global_step: int = 0, history=(), totals=None):
-        self.epoch, self.step_in_epoch, self.global_step, self.history = epoch, step_in_epoch, global_step, history
-        self.totals = totals  # the metric sums of the steps of this epoch done before a mid-epoch checkpoint
-
-
 class _Checkpoints:
     """The raw TF variables (shards as they are) through tf.train.Checkpoint, all written by the chief
     (TF would otherwise write each variable's part on its ps host), plus the full weights as NumPy for
@@ -294,10 +278,10 @@ class _Checkpoints:
         self.options = tf.train.CheckpointOptions(experimental_io_device=CHIEF_DEVICE)
         self.storage = Storage(payload.checkpoint_dir) if payload.checkpoint_dir else None
 
-    def restore(self) -> _Position:
+    def restore(self) -> steps_lib.Position:
         resume = self.payload.resume_from
         if resume is None:
-            return _Position()
+            return steps_lib.Position()
         self.ctx.phase("restoring")
         local = tempfile.mkdtemp(prefix="raytf-restore-")
         try:
@@ -320,7 +304,7 @@ class _Checkpoints:
                 raise CheckpointCorrupt(resume.path, _first_line(exc)) from None
         finally:
             shutil.rmtree(local, ignore_errors=True)
-        return _Position(resume.epoch, resume.step_in_epoch, resume.step, resume.history, meta.get("epoch_totals"))
+        return steps_lib.Position(resume.epoch, resume.step_in_epoch, resume.step, resume.history, meta.get("epoch_totals"))
 
     def save(self, global_step: int, epoch: int, step_in_epoch: int, history: list, totals=None) -> None:
         if self.storage is None:

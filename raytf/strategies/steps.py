@@ -210,3 +210,39 @@ def weights_digest(model: keras.Model) -> str:
     for w in model.get_weights():
         h.update(w.tobytes())
     return h.hexdigest()
+
+
+class Position:
+    """Where a loop starts: from scratch, or from a checkpoint (epoch, steps of it done, global step,
+    the finished epochs' metrics, and for a mid-epoch checkpoint the epoch's metric sums so far)."""
+
+    def __init__(self, epoch: int = 1, step_in_epoch: int = 0, global_step: int = 0, history=(), totals=None):
+        self.epoch, self.step_in_epoch, self.global_step, self.history = epoch, step_in_epoch, global_step, history
+        self.totals = totals
+
+
+def end_epoch(ctx, writer, history: list, metrics: dict[str, Any], val: dict[str, Any] | None, epoch: int,
+              started: float, global_step: int) -> dict[str, Any]:
+    """Fold the validation results into the epoch's metrics and record them: history, the driver
+    (through ctx), TensorBoard."""
+    import time
+
+    if val is not None:
+        metrics.update({f"val_{k}": v for k, v in val.items() if k != "examples"})
+        metrics["val_examples"] = val["examples"]
+    metrics.update(epoch=epoch, seconds=round(time.time() - started, 3), step=global_step)
+    history.append(metrics)
+    ctx.epoch_end(metrics)
+    if writer is not None:
+        with writer.as_default(step=epoch):
+            for k, v in metrics.items():
+                if k not in ("epoch", "step") and isinstance(v, float):
+                    tf.summary.scalar(k, v)
+        writer.flush()
+    return metrics
+
+
+def checkpoint_due(interval: tuple[str, int], global_step: int, epoch: int) -> bool:
+    """At the end of `epoch`: does checkpoint.every_steps / every_epochs ask for a checkpoint now?"""
+    kind, every = interval
+    return (kind == "steps" and global_step % every == 0) or (kind == "epochs" and epoch % every == 0)
