@@ -174,7 +174,7 @@ class JobSpec(_Strict):
     data: DataSpec | None = None
     dataset_fn: str | None = Field(default=None, pattern=FUNCTION_REF)
     train_fn: str | None = Field(default=None, pattern=FUNCTION_REF)
-    loss: Union[str, LossSpec] = "sparse_categorical_crossentropy"
+    loss: Union[str, LossSpec] = Field(default="sparse_categorical_crossentropy", validate_default=True)
     optimizer: OptimizerSpec = OptimizerSpec()
     metrics: list[str] = Field(default_factory=list)
     train: TrainSpec = TrainSpec()
@@ -439,6 +439,10 @@ def load(source: "str | Path | Mapping[str, Any] | JobSpec | Job",
             if path is not None:
                 job.datasets[split] = data.describe(job.data_path(path), spec.data.features, spec.data.label,
                                                     key=f"data.{split}", fill_nulls=spec.data.fill_nulls)
+        rows = job.datasets["train"].num_rows
+        if rows < spec.cluster.workers:  # some worker would get no rows (under mirrored the batch check catches it)
+            raise SpecError(f"data.train has {rows} rows, fewer than cluster.workers {spec.cluster.workers}: some "
+                            f"workers would have nothing to read; use at most {rows} workers")
     return job
 
 

@@ -150,3 +150,16 @@ def test_gpu_placement_policies_are_checked_and_per_node_spreads():
     assert spec.cluster.effective_placement == "strict_spread" and spec.cluster.replicas == 4
     assert parse(base_spec(cluster={"gpu_placement": "per_gpu", "gpus_per_worker": 0.5})).cluster.replicas == 2
     assert "'float8' is not one of" in error_of(base_spec(train={"precision": "float8"}))
+
+
+def test_a_spec_without_a_loss_gets_the_default_as_a_loss_spec(job_dir):
+    raw = base_spec()
+    del raw["loss"]
+    job = load(write_job(job_dir, raw))  # imports Keras to check names: a bare default string broke that
+    assert job.spec.loss.name == "sparse_categorical_crossentropy" and job.spec.loss.from_logits is False
+
+
+def test_more_parameter_server_workers_than_rows_is_a_spec_error(job_dir):
+    raw = ps(cluster={"ps": 1, "workers": 1500})  # digits-train has 1,437 rows
+    with pytest.raises(SpecError, match="data.train has 1437 rows, fewer than cluster.workers 1500"):
+        load(write_job(job_dir, raw))
