@@ -159,8 +159,7 @@ def run(job: Job, group_cls: Callable[..., WorkerGroup] = WorkerGroup,
     result.variable_devices = chief.get("variable_devices", {})
     recovered = chief.get("recovered_workers", [])
     for loss in result.worker_losses:  # the coordinator took the replacement back
-        loss["rejoined"] = any(d.endswith(f"/job:worker/replica:0/task:{loss['worker']}") or
-                               d == f"/job:worker/replica:0/task:{loss['worker']}" for d in recovered)
+        loss["rejoined"] = any(d.endswith(f"/job:worker/replica:0/task:{loss['worker']}") for d in recovered)
     evaluator = [o for t, o in zip(tasks, outcomes) if t.role == "evaluator"]
     if evaluator:
         result.evaluations = evaluator[0].get("evaluations", [])

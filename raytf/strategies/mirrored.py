@@ -54,7 +54,7 @@ def run(strategy: tf.distribute.Strategy, payload: WorkerPayload, ctx: TaskConte
                                         jit_compile=spec.train.jit_compile)
 
     plan = _Plan(payload, ctx.world_size, global_batch, per_replica, local_replicas)
-    writer = _summary_writer(ctx) if ctx.is_chief and spec.output.tensorboard else None
+    writer = steps_lib.summary_writer(ctx) if ctx.is_chief and spec.output.tensorboard else None
 
     # One iterator for all epochs (building a distributed pipeline costs ~0.1 s; an epoch of a small
     # job may be shorter than that).
@@ -193,10 +193,6 @@ class Checkpointer:
         finally:
             shutil.rmtree(local, ignore_errors=True)
         self.ctx.phase("train")
-
-
-def _summary_writer(ctx: TaskContext):
-    return tf.summary.create_file_writer(os.path.join(ctx.staging_dir, "tensorboard"))
 
 
 def _run_user_loop(strategy, payload: WorkerPayload, ctx: TaskContext) -> dict[str, Any]:

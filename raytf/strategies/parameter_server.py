@@ -166,8 +166,7 @@ def run_chief(payload: WorkerPayload, ctx: TaskContext) -> dict[str, Any]:
     validate = _validation(payload, global_batch) if not spec.cluster.evaluator else None
     in_flight = IN_FLIGHT_PER_WORKER * spec.cluster.workers
     steps = steps_per_epoch(payload)
-    writer = tf.summary.create_file_writer(os.path.join(ctx.staging_dir, "tensorboard")) \
-        if spec.output.tensorboard else None
+    writer = steps_lib.summary_writer(ctx) if spec.output.tensorboard else None
     history = list(position.history)
     global_step = position.global_step
     every_kind, every = spec.checkpoint.interval

@@ -221,6 +221,13 @@ class Position:
         self.totals = totals
 
 
+def summary_writer(ctx):
+    """TensorBoard events in the task's staging folder (the chief's is shipped back to output.dir)."""
+    import os
+
+    return tf.summary.create_file_writer(os.path.join(ctx.staging_dir, "tensorboard"))
+
+
 def end_epoch(ctx, writer, history: list, metrics: dict[str, Any], val: dict[str, Any] | None, epoch: int,
               started: float, global_step: int) -> dict[str, Any]:
     """Fold the validation results into the epoch's metrics and record them: history, the driver
