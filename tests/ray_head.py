@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -34,6 +34,7 @@ class Head:
     gcs_address: str
     env: dict  # RAY_AUTH_MODE=token and the token: what a user's shell has
     temp_dir: str
+    proc: subprocess.Popen | None = field(default=None, repr=False)  # `ray start --block`
 
 
 def start_head(extra_args=(), extra_env=None, autoscaling_config=None, ready_timeout_s=120):
@@ -61,7 +62,8 @@ def start_head(extra_args=(), extra_env=None, autoscaling_config=None, ready_tim
            f"--metrics-export-port={free_port()}", "--disable-usage-stats", *extra_args]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    head = Head(address=f"http://127.0.0.1:{dash_port}", gcs_address=gcs_address, env=env, temp_dir=temp_dir)
+    head = Head(address=f"http://127.0.0.1:{dash_port}", gcs_address=gcs_address, env=env, temp_dir=temp_dir,
+                proc=proc)
     headers = {"Authorization": f"Bearer {env['RAY_AUTH_TOKEN']}"}
     deadline = time.time() + ready_timeout_s
     while True:
@@ -76,6 +78,40 @@ def start_head(extra_args=(), extra_env=None, autoscaling_config=None, ready_tim
             stop_head(proc, head)
             pytest.fail(f"the Ray head's Jobs API did not come up in {ready_timeout_s}s: {log_path.read_text()[-3000:]}")
         time.sleep(1)
+
+
+def head_answers(head: Head) -> bool:
+    """Whether the head still runs and its Jobs API answers. (A head can be broken and still running:
+    with its raylet killed, `ray start --block` has been seen not to exit for over 30 s.)"""
+    if head.proc.poll() is not None:
+        return False
+    try:
+        return requests.get(f"{head.address}/api/version", timeout=5,
+                            headers={"Authorization": f"Bearer {head.env['RAY_AUTH_TOKEN']}"}).ok
+    except requests.RequestException:
+        return False
+
+
+def head_report(head: Head, limit: int = 1500) -> str:
+    """Why a test's head went away: whether `ray start --block` still runs, and the last lines of the logs
+    that name the cause. `--block` ends the whole head when any Ray process exits unexpectedly; the raylet
+    exits when its agents die or stop answering (ray-project/ray#66153)."""
+    state = "running" if head.proc.poll() is None else f"exited with {head.proc.returncode}"
+    parts = [f"the test's Ray head ({head.address}, temp dir {head.temp_dir}): `ray start --block` {state}"]
+    logs = Path(head.temp_dir) / "session_latest" / "logs"
+    for path in (Path(head.temp_dir) / "ray-start.log", logs / "ray_process_exit.log", logs / "raylet.out",
+                 logs / "dashboard.err", logs / "dashboard_agent.log", logs / "runtime_env_agent.log",
+                 logs / "gcs_server.out"):
+        try:
+            lines = path.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        if path.name not in ("ray-start.log", "ray_process_exit.log", "dashboard.err"):  # long: errors only
+            lines = [line for line in lines if " E " in line or "ERROR" in line or "exit" in line.lower()]
+        text = "\n".join(lines)[-limit:]
+        if text.strip():
+            parts.append(f"--- {path.name}:\n{text}")
+    return "\n".join(parts)
 
 
 def _node_ip() -> str:

@@ -12,7 +12,14 @@ from raytf.synthetic import criteo_like
 from tests.conftest import assert_nothing_left, write_job
 from tests.faults import Killer
 
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+# TF 2.21's ClusterCoordinator can segfault the chief while workers run their first steps:
+# EagerClusterFunctionLibraryRuntime::Run keeps a pointer into a std::vector that a concurrent Instantiate
+# may grow (tensorflow/core/distributed_runtime/eager/cluster_function_library_runtime.cc). Seen once in
+# a full test run; 25 PS jobs in a row then ran clean. Users recover with failure.max_restarts. A test
+# whose chief died that way runs once more; any other failure, or a second crash, fails it.
+CHIEF_CRASHED = r"TrainingFailed: training failed: chief 0 \(rank 0, [^)]*\): rank\(s\) 0: actor died"
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300), pytest.mark.flaky(reruns=1, only_rerun=[CHIEF_CRASHED])]
 
 TRAIN_ROWS = 6000
 BATCH = 100
