@@ -34,7 +34,7 @@ class Head:
     gcs_address: str
     env: dict  # RAY_AUTH_MODE=token and the token: what a user's shell has
     temp_dir: str
-    proc: subprocess.Popen | None = field(default=None, repr=False)  # `ray start --block`
+    proc: subprocess.Popen = field(repr=False)  # `ray start --block`
 
 
 def start_head(extra_args=(), extra_env=None, autoscaling_config=None, ready_timeout_s=120):
@@ -64,16 +64,12 @@ def start_head(extra_args=(), extra_env=None, autoscaling_config=None, ready_tim
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     head = Head(address=f"http://127.0.0.1:{dash_port}", gcs_address=gcs_address, env=env, temp_dir=temp_dir,
                 proc=proc)
-    headers = {"Authorization": f"Bearer {env['RAY_AUTH_TOKEN']}"}
     deadline = time.time() + ready_timeout_s
     while True:
         if proc.poll() is not None:
             pytest.fail(f"ray start exited with {proc.returncode}: {log_path.read_text()[-3000:]}")
-        try:
-            if requests.get(f"{head.address}/api/version", headers=headers, timeout=5).ok:
-                return head, proc, log_path
-        except requests.RequestException:
-            pass
+        if head_answers(head):
+            return head, proc, log_path
         if time.time() > deadline:
             stop_head(proc, head)
             pytest.fail(f"the Ray head's Jobs API did not come up in {ready_timeout_s}s: {log_path.read_text()[-3000:]}")

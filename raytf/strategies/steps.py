@@ -13,6 +13,8 @@ import dataclasses
 import functools
 import hashlib
 import inspect
+import os
+import time
 from typing import Any, Callable
 
 import tensorflow as tf
@@ -223,8 +225,6 @@ class Position:
 
 def summary_writer(ctx):
     """TensorBoard events in the task's staging folder (the chief's is shipped back to output.dir)."""
-    import os
-
     return tf.summary.create_file_writer(os.path.join(ctx.staging_dir, "tensorboard"))
 
 
@@ -232,8 +232,6 @@ def end_epoch(ctx, writer, history: list, metrics: dict[str, Any], val: dict[str
               started: float, global_step: int) -> dict[str, Any]:
     """Fold the validation results into the epoch's metrics and record them: history, the driver
     (through ctx), TensorBoard."""
-    import time
-
     if val is not None:
         metrics.update({f"val_{k}": v for k, v in val.items() if k != "examples"})
         metrics["val_examples"] = val["examples"]
