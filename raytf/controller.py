@@ -20,8 +20,9 @@ from raytf.checkpoint import Storage
 from raytf.errors import PlacementTimeout, PortTaken, SpecError, TrainingFailed, WorkerStartupError
 from raytf.failure import Failure
 from raytf.group import WorkerGroup, describe, root_cause
+from raytf.packaging import runtime_env, upload_code
 from raytf.report import ProgressDisplay, Result, summary_table, write_artifacts
-from raytf.spec import Job, JobSpec, modules_outside
+from raytf.spec import Job, JobSpec
 from raytf.worker_api import WorkerPayload
 
 RENDEZVOUS_ATTEMPTS = 3  # fresh ports each time; a port lost twice in a row is already rare
@@ -39,36 +40,6 @@ def build_payload(job: Job) -> WorkerPayload:
         train_data=job.datasets["train"], train_root=job.actor_data_path(spec.data.train),
         val_data=job.datasets.get("validation"), val_root=job.actor_data_path(val) if val else None,
     )
-
-
-def runtime_env(job: Job) -> dict[str, Any]:
-    """The job folder travels to every actor as its working directory; modules found only in the
-    driver's working directory travel as py_modules. Outputs stay behind."""
-    extra_modules = modules_outside(job.job_dir, [job.spec.model, job.spec.dataset_fn, job.spec.train_fn])
-    excludes = [".git", "__pycache__"]
-    try:
-        excludes.append("/" + str(job.output_dir.relative_to(job.job_dir)))
-    except ValueError:
-        pass
-    env = {"working_dir": str(job.job_dir), "excludes": excludes,
-           "env_vars": {"TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}}
-    if extra_modules:
-        env["py_modules"] = extra_modules
-    return env
-
-
-def upload_code(env: dict[str, Any]) -> dict[str, Any]:
-    """Upload local working_dir/py_modules to the cluster and put their URIs in their place.
-
-    Ray accepts local paths only in ray.init's job-level runtime_env; raytf sets the env per actor
-    (it may run in a process whose Ray someone else initialised: a notebook, a Tune trial), so it
-    uploads the way ray.init does. These helpers are Ray-private; raytf pins Ray 2.60.*."""
-    from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
-    from ray._private.runtime_env.working_dir import upload_working_dir_if_needed
-
-    include_gitignore = os.environ.get("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", "0") != "1"
-    env = upload_py_modules_if_needed(dict(env), include_gitignore=include_gitignore)
-    return upload_working_dir_if_needed(env, include_gitignore=include_gitignore)
 
 
 class AttemptFailed(Exception):
@@ -98,21 +69,22 @@ class EpochFeed:
 def run(job: Job, group_cls: Callable[..., WorkerGroup] = WorkerGroup,
         display: ProgressDisplay | None = None, resume: bool = False,
         on_epoch: Callable[[dict[str, Any]], None] | None = None, placement_group=None,
-        code_env: dict[str, Any] | None = None) -> Result:
+        code_env: dict[str, Any] | None = None, verbose: bool = False) -> Result:
     """Attempts until one succeeds or the failure policy gives up: each attempt reserves, starts,
     trains and tears down; a restart resumes from the latest checkpoint.
 
     `on_epoch(metrics)` is called once per finished epoch. `placement_group`: run in a group someone
     else reserved (a Ray Tune trial's), one bundle per worker from index 0; it is not removed here.
-    `code_env`: the actors' runtime env, already uploaded by `upload_code` (a sweep uploads the job
-    folder once, from the driver, for all its trials: a trial may run on a node without that folder)."""
+    `code_env`: the actors' runtime env, already uploaded by `packaging.upload_code` (a sweep uploads the job
+    folder once, from the driver, for all its trials: a trial may run on a node without that folder).
+    `verbose`: Ray's own lines about the upload too."""
     spec = job.spec
     display = display or ProgressDisplay(quiet=True)
     epochs = EpochFeed(display, on_epoch)
     started = time.time()
     result = Result(name=spec.name, strategy=spec.strategy, status="failed", output_dir=str(job.output_dir))
     storage = _checkpoint_storage(job, resume)
-    env = code_env if code_env is not None else upload_code(runtime_env(job))
+    env = code_env if code_env is not None else upload_code(runtime_env(job), verbose=verbose)
     bad_checkpoints: set[str] = set()
     held = _HeldGroup(placement_group)
     standby = _StandbyPool(spec.failure.standby and spec.failure.max_restarts > 0 and spec.strategy == "mirrored")

@@ -28,8 +28,8 @@ import requests
 from ray.exceptions import AuthenticationError
 from ray.job_submission import JobDetails, JobStatus, JobSubmissionClient
 
-from raytf import spec as spec_lib
-from raytf.errors import RaytfError
+from raytf import packaging, spec as spec_lib
+from raytf.errors import RaytfError, SpecError
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"  # where `ray dashboard cluster.yaml` forwards the head's dashboard
 CONNECT_TIMEOUT_S = 10.0
@@ -74,38 +74,29 @@ class Submission:
 # ---------------------------------------------------------------- preparing
 
 
-def prepare(job_file: str | Path, settings: Sequence[str] = ()) -> Submission:
+def prepare(job_file: str | Path, settings: Sequence[str] = (), verbose: bool = False) -> Submission:
     """Check the spec's shape here (pure: no user code imported, no data read, so a job whose data only
     the cluster can see still submits) and build the entrypoint and runtime env. The full check (modules,
     data, Keras names) runs on the cluster and comes back as exit code 2."""
     path = Path(job_file).expanduser().resolve()
     overrides = spec_lib.parse_set_options(list(settings))
     spec = spec_lib.parse(spec_lib.apply_overrides(spec_lib.read_yaml(path), overrides), str(job_file))
-    job_dir = path.parent
-    argv = ["raytf", "run", path.name]
+    job = spec_lib.Job(spec=spec, job_dir=spec_lib.job_folder(spec, path.parent, str(job_file)), source=str(job_file))
+    try:
+        entry_file = path.relative_to(job.job_dir).as_posix()
+    except ValueError:
+        raise SpecError(f"{job_file}: raytf submit uploads base_dir {job.job_dir} as the job's working directory, "
+                        f"and the job file is outside it; move the job file into that folder") from None
+    packaging.check_job_folder(job)
+    argv = ["raytf", "run", entry_file, *(["--verbose"] if verbose else [])]
     for item in settings:
         argv += ["--set", item]
-
-    excludes = [".git", "__pycache__"]
-    out = spec.output.dir or f"runs/{spec.name}"
-    if "://" not in out:  # earlier results in the job folder stay home
-        resolved = Path(out).expanduser()
-        resolved = resolved if resolved.is_absolute() else (job_dir / resolved).resolve()
-        with contextlib.suppress(ValueError):
-            rel = resolved.relative_to(job_dir)
-            if rel.parts:
-                excludes.append("/" + rel.as_posix())
-    runtime_env: dict[str, Any] = {
-        "working_dir": str(job_dir), "excludes": excludes,
-        # The driver's output reaches the log stream as it is written, not when a buffer fills.
-        "env_vars": {"PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")},
-    }
-    extra = spec_lib.modules_outside(job_dir, [spec.model, spec.dataset_fn, spec.train_fn])
-    if extra:
-        runtime_env["py_modules"] = extra
+    runtime_env = packaging.runtime_env(job)
+    # The driver's output reaches the log stream as it is written, not when a buffer fills.
+    runtime_env["env_vars"]["PYTHONUNBUFFERED"] = "1"
     return Submission(name=spec.name, submission_id=f"raytf-{spec.name}-{uuid.uuid4().hex[:8]}",
                       entrypoint=shlex.join(argv), runtime_env=runtime_env,
-                      metadata={"raytf_job": spec.name, "job_file": path.name}, job_dir=job_dir)
+                      metadata={"raytf_job": spec.name, "job_file": entry_file}, job_dir=job.job_dir)
 
 
 def resolve_address(address: str | None) -> str:
