@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib
+import importlib.util
 import sys
 from pathlib import Path
 from typing import Any, Literal, Mapping, Union
@@ -169,6 +170,9 @@ class OutputSpec(_Strict):
 
 class JobSpec(_Strict):
     name: str = Field(pattern=r"^[\w.-]+$")
+    # The job folder: relative paths and module:function names resolve against it, and it travels to
+    # every actor. Default: the job file's folder; a relative base_dir is relative to that folder.
+    base_dir: str | None = None
     strategy: Literal["mirrored", "parameter_server"] = "mirrored"
     model: str | None = Field(default=None, pattern=FUNCTION_REF)
     data: DataSpec | None = None
@@ -406,26 +410,30 @@ def read_yaml(path: Path) -> dict[str, Any]:
 
 def load(source: "str | Path | Mapping[str, Any] | JobSpec | Job",
          overrides: Mapping[str, Any] | None = None,
-         check_data: bool = True) -> Job:
-    """Load, override, validate and resolve a job: the one place a spec is checked."""
+         check_data: bool = True, check_code: bool = True) -> Job:
+    """Load, override, validate and resolve a job: the one place a spec is checked.
+
+    The checks that need no TensorFlow come first (shape, paths, modules found, checkpoint dir, data,
+    divisibility), so a spec wrong in those ways fails in a fraction of an `import tensorflow`; only then
+    are the named functions imported and the Keras names checked (`check_code`: `check_job_code`)."""
     overrides = dict(overrides or {})
     if isinstance(source, Job):
         if not overrides:
             return source
-        raw, job_dir, name = source.spec.model_dump(), source.job_dir, source.source
+        raw, start, name = source.spec.model_dump(), None, source.source
     elif isinstance(source, JobSpec):
-        raw, job_dir, name = source.model_dump(), Path.cwd(), "job spec"
+        raw, start, name = source.model_dump(), Path.cwd(), "job spec"
     elif isinstance(source, Mapping):
-        raw, job_dir, name = dict(source), Path.cwd(), "job spec"
+        raw, start, name = dict(source), Path.cwd(), "job spec"
     else:
         path = Path(source).expanduser().resolve()
-        raw, job_dir, name = read_yaml(path), path.parent, str(source)
+        raw, start, name = read_yaml(path), path.parent, str(source)
     spec = parse(apply_overrides(raw, overrides), name)
-    for key in ("model", "dataset_fn", "train_fn"):
+    job_dir = source.job_dir if start is None else job_folder(spec, start, name)
+    for key in FUNCTION_KEYS:
         ref = getattr(spec, key)
         if ref is not None:
-            resolve_function(ref, job_dir, key)
-    _check_keras_names(spec)
+            find_module(ref, job_dir, key)
     job = Job(spec=spec, job_dir=job_dir, source=name)
     if job.checkpoint_dir is not None:
         from raytf.checkpoint import Storage
@@ -443,7 +451,33 @@ def load(source: "str | Path | Mapping[str, Any] | JobSpec | Job",
         if rows < spec.cluster.workers:  # some worker would get no rows (under mirrored the batch check catches it)
             raise SpecError(f"data.train has {rows} rows, fewer than cluster.workers {spec.cluster.workers}: some "
                             f"workers would have nothing to read; use at most {rows} workers")
+    if check_code:
+        check_job_code(job)
     return job
+
+
+FUNCTION_KEYS = ("model", "dataset_fn", "train_fn")
+
+
+def check_job_code(job: Job) -> None:
+    """The checks that import the job's code (and with it, usually, TensorFlow): each named function
+    exists and is callable; the loss, optimizer and metric names are Keras's."""
+    for key in FUNCTION_KEYS:
+        ref = getattr(job.spec, key)
+        if ref is not None:
+            resolve_function(ref, job.job_dir, key)
+    _check_keras_names(job.spec)
+
+
+def job_folder(spec: JobSpec, start: Path, source: str = "job spec") -> Path:
+    """The job folder: base_dir resolved against `start` (the job file's folder), else `start`."""
+    if spec.base_dir is None:
+        return start
+    folder = _resolve(start, spec.base_dir)
+    if not folder.is_dir():
+        raise SpecError(f"{source}: base_dir {spec.base_dir!r} ({folder}) is not a folder; point it at the folder "
+                        f"that holds the job's code and data, or remove it")
+    return folder
 
 
 def code_root(module: str, job_dir: Path) -> Path | None:
@@ -469,21 +503,47 @@ def modules_outside(job_dir: Path, refs: list[str | None]) -> list[str]:
     return sorted(paths)
 
 
-def resolve_function(ref: str, job_dir: Path, key: str = "model"):
-    """Import `module:function` (job folder, then working directory, then installed) and return it."""
-    module_name, _, func_name = ref.partition(":")
+def _module_not_found(key: str, module_name: str, job_dir: Path) -> SpecError:
+    return SpecError(f"{key}: module {module_name!r} not found in {job_dir} or {Path.cwd()}; "
+                     f"put {module_name.replace('.', '/')}.py next to the job file")
+
+
+def _on_path(module_name: str, job_dir: Path) -> None:
     root = code_root(module_name, job_dir)
     if root is not None and str(root) not in sys.path:
         sys.path.insert(0, str(root))
+
+
+def find_module(ref: str, job_dir: Path, key: str = "model") -> None:
+    """Whether `module:function`'s module can be found (job folder, working directory, installed),
+    without running it: importing it usually imports TensorFlow, seconds that a typo should not cost."""
+    module_name = ref.partition(":")[0]
+    if code_root(module_name, job_dir) is not None:
+        return
+    try:
+        found = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError):  # a parent package that is missing or fails to import
+        found = None
+    if found is None:
+        raise _module_not_found(key, module_name, job_dir)
+
+
+def resolve_function(ref: str, job_dir: Path, key: str = "model"):
+    """Import `module:function` (job folder, then working directory, then installed) and return it."""
+    module_name, _, func_name = ref.partition(":")
+    _on_path(module_name, job_dir)
+    bytecode = sys.dont_write_bytecode
+    sys.dont_write_bytecode = True  # no __pycache__ left in the user's job folder by the driver
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name and module_name.startswith(exc.name):
-            raise SpecError(f"{key}: module {module_name!r} not found in {job_dir} or {Path.cwd()}; "
-                            f"put {module_name.replace('.', '/')}.py next to the job file") from None
+            raise _module_not_found(key, module_name, job_dir) from None
         raise SpecError(f"{key}: importing {module_name!r} failed: {exc}") from None
     except Exception as exc:  # the user's module raised while importing
         raise SpecError(f"{key}: importing {module_name!r} raised {type(exc).__name__}: {exc}") from None
+    finally:
+        sys.dont_write_bytecode = bytecode
     func = getattr(module, func_name, None)
     if func is None:
         raise SpecError(f"{key}: {module_name!r} has no function {func_name!r}; "

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from raytf import placement, spec as spec_lib, sweep, sweep_report
+from raytf import packaging, placement, spec as spec_lib, sweep, sweep_report
 from raytf.errors import PlacementTimeout, SpecError
 from raytf.report import ProgressDisplay
 from raytf.spec import Job, JobSpec
@@ -29,6 +29,7 @@ from raytf.sweep_report import SweepResult
 
 EXPERIMENT = "tune"  # Tune's experiment folder inside the sweep's output.dir
 POINTS_FILE = "points.json"
+BEST_SPEC = "best.yaml"  # the best trial as a job spec, in output.dir
 
 
 @dataclasses.dataclass
@@ -55,8 +56,8 @@ class Plan:
 
     @property
     def best_spec_path(self) -> Path:
-        stem = Path(self.source).stem if self.source.endswith((".yaml", ".yml")) else self.base.spec.name
-        return self.base.job_dir / f"{stem}.best.yaml"
+        """In output.dir, like everything a sweep writes: the job folder holds only what the user put there."""
+        return self.output_dir / BEST_SPEC
 
 
 def trial_bundles(spec: JobSpec) -> list[dict[str, float]]:
@@ -67,15 +68,15 @@ def trial_bundles(spec: JobSpec) -> list[dict[str, float]]:
 def prepare(source: "str | Path | Mapping[str, Any]", overrides: Mapping[str, Any] | None = None) -> Plan:
     """Read, override and validate a sweep; load every point's job. No Ray; raises SpecError."""
     if isinstance(source, Mapping):
-        raw, job_dir, name = dict(source), Path.cwd(), "sweep"
+        raw, start, name = dict(source), Path.cwd(), "sweep"
     else:
         path = Path(source).expanduser().resolve()
-        raw, job_dir, name = spec_lib.read_yaml(path), path.parent, str(source)
+        raw, start, name = spec_lib.read_yaml(path), path.parent, str(source)
     raw = sweep.apply_sweep_overrides(raw, overrides or {})
     job_raw, section = sweep.split_sweep(raw, name)
     base_spec = spec_lib.parse(job_raw, name)
     sweep.check_metric(section, base_spec, name)
-    base = Job(spec=base_spec, job_dir=job_dir, source=name)
+    base = Job(spec=base_spec, job_dir=spec_lib.job_folder(base_spec, start, name), source=name)
     out = base.output_dir
     jobs: dict[str, Job] = {}
 
@@ -83,13 +84,18 @@ def prepare(source: "str | Path | Mapping[str, Any]", overrides: Mapping[str, An
         trial = {**point_overrides, "name": f"{base_spec.name}-{pid}", "output.dir": str(out / "trials" / pid)}
         if base.checkpoint_dir is not None:  # trials must not share checkpoints
             trial["checkpoint.dir"] = f"{base.checkpoint_dir.rstrip('/')}/{pid}"
-        try:
-            jobs[pid] = spec_lib.load(base, trial)
+        try:  # the code is imported once every point has passed the checks that need no TensorFlow
+            jobs[pid] = spec_lib.load(base, trial, check_code=False)
         except SpecError as exc:
             raise SpecError(str(exc).removeprefix(f"{name}: ")) from None
 
     try:
         points, rejected = sweep.expand(section, base_spec, check)
+        for point in points:
+            try:
+                spec_lib.check_job_code(jobs[point.id])
+            except SpecError as exc:
+                raise SpecError(f"point {point.id} {point.describe()} cannot run: {exc}") from None
     except SpecError as exc:
         raise SpecError(f"{name}: {exc}") from None
     plan = Plan(name, job_raw, base, section, points, {p.id: jobs[p.id] for p in points}, rejected)
@@ -198,13 +204,12 @@ def _progress_callback(quiet: bool, descriptions: dict[str, str], metric: str, e
 # ---------------------------------------------------------------- the driver
 
 
-def run(plan: Plan, display: ProgressDisplay | None = None, resume: bool = False) -> SweepResult:
+def run(plan: Plan, display: ProgressDisplay | None = None, resume: bool = False,
+        verbose: bool = False) -> SweepResult:
     """Run (or, with `resume`, continue) the sweep on the Ray this process is connected to."""
     import ray
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
-
-    from raytf import controller
 
     display = display or ProgressDisplay(quiet=True)
     out = plan.output_dir
@@ -217,7 +222,7 @@ def run(plan: Plan, display: ProgressDisplay | None = None, resume: bool = False
                     + f"; output {out}")
     sweep_report.write_json(out / POINTS_FILE, _points_state(plan))
 
-    code_env = controller.upload_code(controller.runtime_env(plan.base))
+    code_env = packaging.upload_code(packaging.runtime_env(plan.base), verbose=verbose)
     _unpack_everywhere(code_env, display)
     factories = {pid: tune.PlacementGroupFactory([{"CPU": 0}, *trial_bundles(job.spec)],
                                                  strategy=job.spec.cluster.effective_placement.upper())
@@ -361,12 +366,15 @@ def _collect(plan: Plan, experiment: Path, limit: int, started: float, wall: flo
     best_spec_path = None
     if best is not None:
         point = by_point[best["point"]]
+        # It lives in output.dir, so base_dir points back at the job folder (its code, its data) and
+        # output.dir (relative to that folder) at <sweep output>/best.
         rel_out = _relative(out / "best", plan.base.job_dir)
+        base_dir = _relative(plan.base.job_dir, plan.best_spec_path.parent)
         header = (f"The best trial of the sweep {plan.source} ({best['point']}: {section.metric} "
                   f"{best['final']:.4g} after {best['epochs']} epochs).\n"
                   f"Run it: raytf run {_relative(plan.best_spec_path, Path.cwd())}")
         text = sweep_report.best_spec_yaml(plan.job_raw, {**point.overrides, "name": f"{plan.base.spec.name}-best",
-                                                          "output.dir": rel_out}, header)
+                                                          "base_dir": base_dir, "output.dir": rel_out}, header)
         best_spec_path = str(sweep_report.write_text(plan.best_spec_path, text))
     # Utilization of this run only: trials that finished in an earlier run (before a resume) do not count.
     busy = sum((r["time_s"] or 0) * r["cpus"] for r in rows if (r["reported_at"] or 0) >= int(started))
