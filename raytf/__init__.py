@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 
 def fit(spec_or_path: "str | Mapping[str, Any] | JobSpec | Job", overrides: Mapping[str, Any] | None = None, *,
         address: str | None = None, display: ProgressDisplay | None = None, resume: bool = False,
-        **dotted_overrides: Any) -> Result:
+        verbose: bool = False, **dotted_overrides: Any) -> Result:
     """Run one distributed training job and return its Result.
 
     `spec_or_path`: a job YAML path, a mapping, a JobSpec or a loaded Job. Overrides are dotted keys,
@@ -25,35 +25,51 @@ def fit(spec_or_path: "str | Mapping[str, Any] | JobSpec | Job", overrides: Mapp
     (train__epochs=3). Without an initialised Ray, `address` (or RAY_ADDRESS) picks a cluster; with
     neither, an embedded local Ray runs for the duration of the call. `resume` continues from the
     latest checkpoint in checkpoint.dir (without it, a checkpoint.dir that holds checkpoints is an error).
+    `verbose`: Ray's and TensorFlow's own output too (the workers' logs, TensorFlow's start-up lines).
     """
-    from raytf import controller, spec as spec_lib
-    from raytf.session import ray_session
+    from raytf import packaging, quiet, spec as spec_lib
 
     merged = dict(overrides or {})
     merged.update({k.replace("__", "."): v for k, v in dotted_overrides.items()})
-    job = spec_lib.load(spec_or_path, merged)
-    with ray_session(address):
-        return controller.run(job, display=display, resume=resume)
+    with quiet.native_noise_filtered(quiet.hide_native_noise(verbose)):
+        job = spec_lib.load(spec_or_path, merged)
+    packaging.check_job_folder(job)
+    display = display or ProgressDisplay(quiet=True)
+
+    from raytf import controller  # Ray: only once the spec is known to be good
+    from raytf.session import ray_session
+
+    with ray_session(address, verbose) as logs_hint:
+        if logs_hint:
+            display.message(logs_hint)
+        return controller.run(job, display=display, resume=resume, verbose=verbose)
 
 
 def tune(sweep_or_path: "str | Mapping[str, Any]", overrides: Mapping[str, Any] | None = None, *,
          address: str | None = None, display: ProgressDisplay | None = None, resume: bool = False,
-         **dotted_overrides: Any):
+         verbose: bool = False, **dotted_overrides: Any):
     """Run a Ray Tune sweep in which every trial is a distributed raytf job; return a SweepResult
     (rows, best trial, best job spec and model, sweep.json, sweep.png).
 
     `sweep_or_path`: a sweep YAML (a job spec plus a `tune:` section) or its mapping. Overrides as for
     `fit`; `tune.space.<spec key>` sets one dimension. Every point is validated before any trial starts
-    (SpecError). `resume` continues a stopped sweep in the same output.dir. Ray as for `fit`.
+    (SpecError). `resume` continues a stopped sweep in the same output.dir. Ray and `verbose` as for `fit`.
     """
-    from raytf import tuner
-    from raytf.session import ray_session
+    from raytf import packaging, quiet, tuner
 
     merged = dict(overrides or {})
     merged.update({k.replace("__", "."): v for k, v in dotted_overrides.items()})
-    plan = tuner.prepare(sweep_or_path, merged)  # a bad sweep fails here, before Ray starts
-    with ray_session(address):
-        return tuner.run(plan, display=display, resume=resume)
+    with quiet.native_noise_filtered(quiet.hide_native_noise(verbose)):
+        plan = tuner.prepare(sweep_or_path, merged)  # a bad sweep fails here, before Ray starts
+    packaging.check_job_folder(plan.base)
+    display = display or ProgressDisplay(quiet=True)
+
+    from raytf.session import ray_session
+
+    with ray_session(address, verbose) as logs_hint:
+        if logs_hint:
+            display.message(logs_hint)
+        return tuner.run(plan, display=display, resume=resume, verbose=verbose)
 
 
 __all__ = ["fit", "tune", "Job", "JobSpec", "Result", "ProgressDisplay", "RaytfError", "SpecError", "PlacementTimeout",

@@ -14,6 +14,10 @@ import click
 from raytf.errors import RaytfError
 
 
+_VERBOSE_HELP = ("Also show Ray's and TensorFlow's own output: the workers' logs, TensorFlow's start-up lines "
+                 "(by default only raytf's lines; the workers' logs stay in Ray's session folder).")
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="raytf")
 def main() -> None:
@@ -44,7 +48,9 @@ def _exit_on_error(interrupted: str = "raytf: interrupted"):
               help="Override a spec key, e.g. --set train.epochs=3 (repeatable).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress display; only errors and the final path.")
 @click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in checkpoint.dir.")
-def run(job_file: str, address: str | None, settings: tuple[str, ...], quiet: bool, resume: bool) -> None:
+@click.option("--verbose", "-v", is_flag=True, help=_VERBOSE_HELP)
+def run(job_file: str, address: str | None, settings: tuple[str, ...], quiet: bool, resume: bool,
+        verbose: bool) -> None:
     """Train the job in JOB_FILE (YAML) on the Ray cluster."""
     from raytf import fit
     from raytf.report import ProgressDisplay
@@ -55,7 +61,8 @@ def run(job_file: str, address: str | None, settings: tuple[str, ...], quiet: bo
     # and result.json are dealt with before exiting.
     signal.signal(signal.SIGTERM, _interrupt)
     with _exit_on_error("raytf: interrupted; actors and placement group released"):
-        result = fit(job_file, parse_set_options(list(settings)), address=address, display=display, resume=resume)
+        result = fit(job_file, parse_set_options(list(settings)), address=address, display=display, resume=resume,
+                     verbose=verbose)
     final = result.final
     shown = "  ".join(f"{k} {v:.4f}" for k, v in final.items() if isinstance(v, float) and k != "seconds")
     click.echo(f"raytf: {result.name} {result.status}: {shown}")
@@ -100,7 +107,9 @@ def data_synth_criteo(out_dir: str, rows: int, files: int, row_group_size: int, 
                    "--set 'tune.space.train.global_batch_size={grid: [64, 128]}' (repeatable).")
 @click.option("--quiet", "-q", is_flag=True, help="No per-trial progress lines; only the table and the paths.")
 @click.option("--resume", is_flag=True, help="Continue the stopped sweep in output.dir (finished trials are kept).")
-def tune_command(sweep_file: str, address: str | None, settings: tuple[str, ...], quiet: bool, resume: bool) -> None:
+@click.option("--verbose", "-v", is_flag=True, help=_VERBOSE_HELP)
+def tune_command(sweep_file: str, address: str | None, settings: tuple[str, ...], quiet: bool, resume: bool,
+                 verbose: bool) -> None:
     """Sweep SWEEP_FILE (a job spec plus a tune: section) with Ray Tune; every trial is a distributed job.
 
     Exit codes as for `run`; 1 also when no trial completed, 130 when interrupted (--resume continues)."""
@@ -110,7 +119,7 @@ def tune_command(sweep_file: str, address: str | None, settings: tuple[str, ...]
 
     with _exit_on_error("raytf: interrupted; `raytf tune --resume` continues the sweep"):
         result = tune(sweep_file, parse_set_options(list(settings)), address=address,
-                      display=ProgressDisplay(quiet=quiet), resume=resume)
+                      display=ProgressDisplay(quiet=quiet), resume=resume, verbose=verbose)
     click.echo(result.table)
     if result.best is not None:
         click.echo(f"raytf: best {result.best['point']}: {result.metric} {result.best['final']:.4g}; "
@@ -159,7 +168,8 @@ def _follow_to_end(jobs, job_id: str) -> int:
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
               help="Override a spec key, e.g. --set train.epochs=3 (repeatable); passed on to `raytf run`.")
 @click.option("--no-wait", is_flag=True, help="Print the submission id and return at once.")
-def submit(job_file: str, address: str | None, settings: tuple[str, ...], no_wait: bool) -> None:
+@click.option("--verbose", "-v", is_flag=True, help=_VERBOSE_HELP + " Passed on to `raytf run`.")
+def submit(job_file: str, address: str | None, settings: tuple[str, ...], no_wait: bool, verbose: bool) -> None:
     """Submit JOB_FILE to a Ray cluster through the Jobs API, follow its logs, exit with its status.
 
     The job file's folder is uploaded as the job's working directory, and the cluster runs
@@ -167,7 +177,7 @@ def submit(job_file: str, address: str | None, settings: tuple[str, ...], no_wai
     from raytf import submit as jobs_api
 
     def body() -> int:
-        sub = jobs_api.prepare(job_file, settings)  # a bad spec fails here, before any network
+        sub = jobs_api.prepare(job_file, settings, verbose=verbose)  # a bad spec fails here, before any network
         jobs = jobs_api.Jobs(address)
         job_id = jobs.submit(sub)
         click.echo(f"raytf: submitted {job_id} to {jobs.address} (working directory {sub.job_dir})", err=True)

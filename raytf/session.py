@@ -3,24 +3,78 @@ RAY_ADDRESS as set by `ray job submit`), or an embedded local Ray started for th
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+from pathlib import Path
 from typing import Iterator
 
 import ray
 
+AUTH_MODE = "RAY_AUTH_MODE"
+
+
+def token_available() -> bool:
+    """Whether this user has a Ray token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return True
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token")
+    return Path(path).expanduser().is_file()
+
+
+def auth_mode_for(address: str | None) -> str | None:
+    """RAY_AUTH_MODE to set before connecting, or None to leave it as it is. Ray 2.60 sends its token to
+    an explicit address only with RAY_AUTH_MODE=token; a user whose token file exists means to use it.
+    An embedded Ray turns token auth on by itself (and says so in a warning): saying it first is quieter."""
+    if os.environ.get(AUTH_MODE) is not None:
+        return None  # the user's choice
+    if address is None or token_available():
+        return "token"
+    return None
+
 
 @contextlib.contextmanager
-def ray_session(address: str | None = None) -> Iterator[None]:
+def ray_session(address: str | None = None, verbose: bool = False) -> Iterator[str | None]:
+    """Yields where the workers' logs are when they are not shown here (None when they are, or when
+    this process's Ray was initialised by someone else)."""
     if ray.is_initialized():
-        yield
+        yield None
         return
-    if address or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=address, log_to_driver=True)
-    else:
-        # "local": a fresh Ray of our own. A bare ray.init() would join whatever cluster was started last
-        # on this machine (/tmp/ray/ray_current_cluster) -- someone else's, or a test's.
-        ray.init(address="local", include_dashboard=False, log_to_driver=True)
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    mode = auth_mode_for(address)
+    if mode is not None:  # for this session only (a client sending a token to a cluster without auth is fine)
+        _set_auth_mode(mode)
+    # Workers' output (TensorFlow's start-up lines among it) reaches this terminal with --verbose only.
+    options = dict(log_to_driver=verbose, logging_level=logging.INFO if verbose else logging.WARNING)
     try:
-        yield
+        if address:
+            ray.init(address=address, **options)
+            hint = "on each node under its Ray session folder (/tmp/ray/session_latest/logs), or `ray logs`"
+        else:
+            # "local": a fresh Ray of our own. A bare ray.init() would join whatever cluster was started
+            # last on this machine (/tmp/ray/ray_current_cluster) -- someone else's, or a test's.
+            ray.init(address="local", include_dashboard=False, **options)
+            hint = _local_logs()
+        yield None if verbose else f"raytf: workers' logs: {hint} (-v shows them here)"
     finally:
         ray.shutdown()
+        if mode is not None:
+            _set_auth_mode(None)
+
+
+def _set_auth_mode(mode: str | None) -> None:
+    """Set (or unset) RAY_AUTH_MODE for this process. Ray reads it into its cached config, so that is
+    refreshed too, as Ray's own `_enable_token_auth` does (Ray-private; raytf pins Ray 2.60.*)."""
+    from ray._raylet import Config
+
+    if mode is None:
+        os.environ.pop(AUTH_MODE, None)
+    else:
+        os.environ[AUTH_MODE] = mode
+    Config.initialize("")
+
+
+def _local_logs() -> str:
+    try:
+        return os.path.join(ray._private.worker._global_node.get_session_dir_path(), "logs")
+    except AttributeError:  # Ray's private layout moved
+        return "/tmp/ray/session_latest/logs"
