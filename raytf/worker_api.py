@@ -40,7 +40,8 @@ class TaskContext:
 
     For `train_fn` users: `strategy`, `rank`, `world_size`, `num_replicas`, `per_replica_batch_size`,
     `global_batch_size`, `is_chief`, `spec`, `build_model()`, `report(metrics)` once per epoch, and
-    `save_model(model)` (the chief's copy becomes <output.dir>/model.keras).
+    `save_model(model)` on every worker (it syncs BatchNormalization statistics; the chief's copy becomes
+    <output.dir>/model.keras).
     """
 
     def __init__(self, rank: int, world_size: int, spec: JobSpec, staging_dir: str,
@@ -55,6 +56,7 @@ class TaskContext:
         self.history: list[dict[str, Any]] = []
         self.global_step = 0
         self.saved_model = None
+        self.state_sync: Callable[[Any], None] | None = None  # set by the loop that owns the strategy
         self._payload = payload
         self._lock = threading.Lock()
         self._report_interval_s = report_interval_s
@@ -118,6 +120,11 @@ class TaskContext:
         return self._payload.function("model")()
 
     def save_model(self, model) -> None:
+        """Call it on every worker: it first makes each replica's BatchNormalization statistics (and any
+        other non-trainable float state) the mean over all replicas, a collective, so every worker ends
+        with the same model."""
+        if self.state_sync is not None:
+            self.state_sync(model)
         self.saved_model = model
         if self.is_chief:
             model.save(os.path.join(self.staging_dir, "model.keras"))

@@ -81,7 +81,9 @@ def run(strategy: tf.distribute.Strategy, payload: WorkerPayload, ctx: TaskConte
             global_step += 1
             ctx.step(epoch, step, plan.steps, global_step, loss, global_batch)
             if every_kind == "steps" and global_step % every == 0 and step < plan.steps:
+                fns.sync_state()
                 checkpoints.save(global_step, epoch, step, history)
+        fns.sync_state()  # before validation: every worker evaluates, and ends with, the same model
         metrics = train_acc.results(fns.global_sum(train_acc.total.read_value()).numpy())
         val = None
         if plan.val_steps:
@@ -200,6 +202,7 @@ def _run_user_loop(strategy, payload: WorkerPayload, ctx: TaskContext) -> dict[s
     ctx.strategy = strategy
     ctx.num_replicas = strategy.num_replicas_in_sync
     ctx.per_replica_batch_size = payload.spec.train.global_batch_size // ctx.num_replicas
+    ctx.state_sync = lambda model: steps_lib.make_state_sync(strategy, model)()
     payload.function("train_fn")(ctx)
     digest = steps_lib.weights_digest(ctx.saved_model) if ctx.saved_model is not None else None
     return {"history": ctx.history, "weights_digest": digest, "steps": ctx.global_step,

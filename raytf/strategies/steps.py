@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import hashlib
 import inspect
+import math
 import os
 import time
 from typing import Any, Callable
@@ -132,6 +133,37 @@ class StepFunctions:
     train: Callable  # (iterator) -> local mean loss of this worker's replicas for the step
     evaluate: Callable  # (iterator) -> None
     global_sum: Callable  # (local vector) -> vector summed over all workers (a collective)
+    sync_state: Callable  # () -> None: every replica's model state made the mean of all (a collective)
+
+
+def synced_state(model: keras.Model) -> list:
+    """The model's state that each replica updates on its own: non-trainable float weights such as
+    BatchNormalization's moving mean and variance. Gradients are all-reduced, so trainable weights agree
+    by construction; these do not (each replica's statistics are of its own batches) until synced.
+    Keras 3 creates them with aggregation NONE, so TensorFlow leaves every replica its own copy."""
+    return [v for v in model.non_trainable_weights if v.dtype.startswith(("float", "bfloat"))]
+
+
+def make_state_sync(strategy: tf.distribute.Strategy, model: keras.Model) -> Callable[[], None]:
+    """A function that sets each replica's `synced_state` to the mean over all replicas, in one all-reduce.
+    A moving statistic is linear in the batch statistics it averages, so syncing at the end of every
+    epoch leaves the same moving mean as averaging every step (what MirroredStrategy does for variables
+    with aggregation MEAN), at the cost of one collective per epoch instead of one per step."""
+    synced = synced_state(model)
+    if not synced:
+        return lambda: None
+    sizes = [math.prod(v.shape) for v in synced]  # Keras shapes are tuples of ints
+
+    def local_state():
+        return tf.concat([tf.reshape(tf.cast(v.value, tf.float64), [-1]) for v in synced], axis=0)
+
+    @tf.function
+    def sync():
+        mean = strategy.reduce(tf.distribute.ReduceOp.MEAN, strategy.run(local_state), axis=None)
+        for v, part in zip(synced, tf.split(mean, sizes)):
+            v.assign(tf.reshape(tf.cast(part, v.dtype), v.shape))
+
+    return sync
 
 
 def align_labels(y, pred):
@@ -203,7 +235,8 @@ def make_step_functions(strategy: tf.distribute.Strategy, model: keras.Model, op
         share = strategy.run(lambda: local / tf.cast(local_replicas, tf.float64))
         return strategy.reduce(tf.distribute.ReduceOp.SUM, share, axis=None)
 
-    return StepFunctions(train=train, evaluate=evaluate, global_sum=global_sum)
+    return StepFunctions(train=train, evaluate=evaluate, global_sum=global_sum,
+                         sync_state=make_state_sync(strategy, model))
 
 
 def weights_digest(model: keras.Model) -> str:
