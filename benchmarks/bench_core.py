@@ -157,7 +157,7 @@ def main() -> None:
     spec = yaml.safe_load(JOB.read_text())
     global_batch, lr = spec["train"]["global_batch_size"], spec["optimizer"]["learning_rate"]
     # tf-keras for Ray Train's model.fit; raytf imports Keras 3 as `keras` and is unaffected.
-    ray.init(include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}})
     rows: dict[str, list[dict]] = {"raytf": [], "hand-launched": []}
     if not args.skip_ray_train:

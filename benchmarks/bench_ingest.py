@@ -162,7 +162,7 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="raytf-ingest-"))
     if not args.skip_ray_data:
-        ray.init(include_dashboard=False, log_to_driver=False, num_cpus=os.cpu_count())
+        ray.init(address="local", include_dashboard=False, log_to_driver=False, num_cpus=os.cpu_count())
         ray.data.DataContext.get_current().enable_progress_bars = False
     print(f"{args.rows:,} rows x {WIDTH} float32 + int64 label in 4 files (row groups of 32,768), batch {BATCH}, "
           f"one process, median of {args.reps}, {os.cpu_count()} CPUs")

@@ -74,7 +74,7 @@ def main() -> None:
     import keras  # noqa: F401  (the driver's one-time import; not part of any timing)
     import ray
 
-    ray.init(num_cpus=2 * max(args.workers) + 2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2 * max(args.workers) + 2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"TF_CPP_MIN_LOG_LEVEL": "2"}})
     ways = [(s, w) for w in args.workers for s in ("parameter_server", "mirrored")]
     rows: dict[str, list[dict]] = {f"{s} x{w}": [] for s, w in ways}

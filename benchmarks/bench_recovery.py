@@ -186,7 +186,7 @@ def main() -> None:
     import keras  # noqa: F401  (the driver's one-time import, not part of any timing)
     import ray
 
-    ray.init(include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}})
     rows: dict[str, list[dict]] = {"raytf": [], "Ray Train FailureConfig": []}
     for rep in range(args.reps):

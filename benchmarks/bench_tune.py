@@ -146,7 +146,7 @@ def main() -> None:
     os.environ["RAY_AIR_NEW_OUTPUT"] = "0"  # Tune's banners off for both ways (raytf turns them off itself)
     cpus = os.cpu_count() or 2
     # tf-keras for Ray Train's model.fit; raytf imports Keras 3 as `keras` and is unaffected.
-    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}})
     rows: dict[str, list[dict]] = {"raytf tune": [], "Ray Tune + Ray Train": []}
     for rep in range(args.reps):  # alternate which goes first, so drift on the machine hits both alike
