@@ -42,7 +42,7 @@ def ray_session(address: str | None = None, verbose: bool = False) -> Iterator[s
     address = address or os.environ.get("RAY_ADDRESS") or None
     mode = auth_mode_for(address)
     if mode is not None:  # for this session only (a client sending a token to a cluster without auth is fine)
-        _set_auth_mode(mode)
+        set_auth_mode(mode)
     # Workers' output (TensorFlow's start-up lines among it) reaches this terminal with --verbose only.
     options = dict(log_to_driver=verbose, logging_level=logging.INFO if verbose else logging.WARNING)
     try:
@@ -58,10 +58,10 @@ def ray_session(address: str | None = None, verbose: bool = False) -> Iterator[s
     finally:
         ray.shutdown()
         if mode is not None:
-            _set_auth_mode(None)
+            set_auth_mode(None)
 
 
-def _set_auth_mode(mode: str | None) -> None:
+def set_auth_mode(mode: str | None) -> None:
     """Set (or unset) RAY_AUTH_MODE for this process. Ray reads it into its cached config, so that is
     refreshed too, as Ray's own `_enable_token_auth` does (Ray-private; raytf pins Ray 2.60.*)."""
     from ray._raylet import Config

@@ -28,7 +28,7 @@ import requests
 from ray.exceptions import AuthenticationError
 from ray.job_submission import JobDetails, JobStatus, JobSubmissionClient
 
-from raytf import packaging, spec as spec_lib
+from raytf import packaging, session, spec as spec_lib
 from raytf.errors import RaytfError, SpecError
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"  # where `ray dashboard cluster.yaml` forwards the head's dashboard
@@ -134,6 +134,8 @@ class Jobs:
     def __init__(self, address: str | None = None, read_timeout_s: float = READ_TIMEOUT_S):
         self.address = resolve_address(address)
         self.read_timeout_s = read_timeout_s
+        if session.auth_mode_for(self.address) == "token":  # a user with a token means to send it
+            session.set_auth_mode("token")
         # Ray's client lets RAY_ADDRESS / RAY_API_SERVER_ADDRESS override the address it is given;
         # an explicit --address must win, so they are hidden while it is built.
         with _env_without("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS"):
@@ -246,10 +248,12 @@ class Jobs:
                     f"the Ray cluster at {self.address} refused raytf's token while {what}: use the cluster's "
                     f"token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token; the one mounted by "
                     f"`ray up cluster.yaml`)") from None
+            fix = ("unset RAY_AUTH_MODE (it is 'disabled') or export RAY_AUTH_MODE=token, and "
+                   if os.environ.get(session.AUTH_MODE, "").lower() == "disabled" else "")
             raise ClusterUnreachable(
                 f"the Ray cluster at {self.address} requires token authentication and raytf sent no token "
-                f"while {what}: export RAY_AUTH_MODE=token (the token is read from RAY_AUTH_TOKEN, "
-                f"RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token; `ray get-auth-token` prints it)") from None
+                f"while {what}: {fix}put the cluster's token in ~/.ray/auth_token (or RAY_AUTH_TOKEN_PATH, "
+                f"RAY_AUTH_TOKEN); `ray get-auth-token` on the head prints it") from None
         except (requests.exceptions.ConnectionError, ConnectionError) as exc:  # includes ConnectTimeout
             raise ClusterUnreachable(
                 f"cannot reach the Ray Jobs API at {self.address} while {what} ({_reason(exc)}): start the "
