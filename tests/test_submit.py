@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -50,9 +51,9 @@ def head(live_head) -> Head:
     return live_head()
 
 
-def cli(head: Head, *args, timeout=240) -> subprocess.CompletedProcess:
+def cli(head: Head, *args, timeout=240, cwd=REPO) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, "-m", "raytf.cli", *args], env=head.env, capture_output=True,
-                          text=True, timeout=timeout, cwd=REPO)
+                          text=True, timeout=timeout, cwd=cwd)
     if proc.returncode == jobs_api.EXIT_UNREACHABLE:  # the test's own head is meant to be up
         check_head(head)
     return proc
@@ -124,6 +125,34 @@ def test_submit_runs_a_two_worker_job_to_success_and_exits_0(head, job_dir):
     assert "entrypoint: raytf run job.yaml --set train.epochs=1" in status.stdout
     logs = cli(head, "logs", job_id, "--address", head.address, timeout=60)
     assert logs.returncode == 0 and "raytf: t succeeded" in logs.stdout
+    wait_for_actors(head, "gone", 30)
+
+
+WRITING_MODEL = textwrap.dedent('''
+    """Writes a file into its own folder when imported: on the cluster that folder is the job's working
+    copy, so the driver's package of it differs from the one submitted and is uploaded again from there."""
+    import pathlib, time
+    pathlib.Path("written_by_the_job.txt").write_text(str(time.time()))
+    from tmodel import build_model
+''')
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(360)
+def test_submit_from_the_job_folder_of_a_job_that_changes_it_leaves_no_package_in_the_working_copy(head, job_dir):
+    (job_dir / "writing.py").write_text(WRITING_MODEL)
+    write_job(job_dir, base_spec(model="writing:build_model", output={"dir": str(job_dir / "out")}))
+    before = {p.name for p in job_dir.iterdir()}
+    proc = cli(head, "submit", "job.yaml", "--address", head.address, "--set", "train.epochs=1", cwd=job_dir)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert json.loads((job_dir / "out" / "result.json").read_text())["status"] == "succeeded"
+
+    copies = [p.parent for p in (Path(head.temp_dir) / "session_latest" / "runtime_resources").rglob("writing.py")]
+    assert copies  # the job's working copy on the head, where its driver ran
+    for copy in copies:
+        assert not list(copy.rglob("*.zip")), f"a package was built inside the working copy {copy}"
+    assert (job_dir / "out" / "result.json").is_file()
+    assert {p.name for p in job_dir.iterdir()} == before | {"out"}  # nothing else appeared where the user stood
     wait_for_actors(head, "gone", 30)
 
 
@@ -202,12 +231,13 @@ def test_stop_ends_a_running_job_and_frees_its_actors(head, job_dir):
 
 @pytest.mark.cluster
 @pytest.mark.timeout(120)
-def test_without_the_token_the_error_says_how_to_send_it(head):
+def test_without_the_token_the_error_says_how_to_send_it(head, tmp_path):
     env = {k: v for k, v in head.env.items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
+    env["HOME"] = str(tmp_path)  # a user with no ~/.ray/auth_token
     proc = subprocess.run([sys.executable, "-m", "raytf.cli", "status", "raytf-t-00000000", "--address", head.address],
                           env=env, capture_output=True, text=True, timeout=60, cwd=REPO)
     assert proc.returncode == jobs_api.EXIT_UNREACHABLE
-    assert "requires token authentication" in proc.stderr and "export RAY_AUTH_MODE=token" in proc.stderr
+    assert "requires token authentication" in proc.stderr and "~/.ray/auth_token" in proc.stderr
     assert "Traceback" not in proc.stderr
     wrong = {**head.env, "RAY_AUTH_TOKEN": "0" * 64}
     proc = subprocess.run([sys.executable, "-m", "raytf.cli", "status", "raytf-t-00000000", "--address", head.address],
@@ -215,6 +245,27 @@ def test_without_the_token_the_error_says_how_to_send_it(head):
     assert proc.returncode == jobs_api.EXIT_UNREACHABLE and "refused raytf's token" in proc.stderr
     missing = cli(head, "status", "raytf-t-00000000", "--address", head.address, timeout=60)
     assert missing.returncode == 1 and "no job 'raytf-t-00000000'" in missing.stderr
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+def test_an_explicit_address_to_a_token_cluster_needs_only_the_users_token_file(head, job_dir, tmp_path):
+    """No RAY_AUTH_MODE exported: the user's token file is enough, for `run --address` and for `status`."""
+    token_file = tmp_path / "auth_token"
+    token_file.write_text(head.env["RAY_AUTH_TOKEN"])
+    env = {k: v for k, v in head.env.items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
+    env["RAY_AUTH_TOKEN_PATH"] = str(token_file)
+    path = write_job(job_dir, base_spec(train={"epochs": 1}, output={"dir": str(job_dir / "out")}))
+    proc = subprocess.run([sys.executable, "-m", "raytf.cli", "run", str(path), "--address", head.gcs_address],
+                          env=env, capture_output=True, text=True, timeout=200, cwd=job_dir)
+    if proc.returncode != 0:
+        check_head(head)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((job_dir / "out" / "result.json").read_text())["status"] == "succeeded"
+    status = subprocess.run([sys.executable, "-m", "raytf.cli", "status", "raytf-t-00000000", "--address",
+                             head.address], env=env, capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert status.returncode == 1 and "no job 'raytf-t-00000000'" in status.stderr  # authenticated, then answered
+    wait_for_actors(head, "gone", 30)
 
 
 FOLLOW_A_CLUSTER_THAT_DIES = textwrap.dedent('''

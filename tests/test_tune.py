@@ -232,7 +232,10 @@ def test_a_2x2_grid_of_2_worker_trials_completes_and_reports_the_real_best(clust
         assert len({t["weights_digest"] for t in saved["tasks"]}) == 1
     assert len({r["trial_id"] for r in result.rows}) == 4
 
+    assert result.best_spec_path == str(job_dir / "runs" / "t" / "best.yaml")  # in output.dir, not the job folder
     best_spec = load(result.best_spec_path)  # a ready-to-run job: the best point's values, no tune section
+    assert best_spec.job_dir == job_dir  # its base_dir points back at the job folder: its code and data
+    assert best_spec.output_dir == job_dir / "runs" / "t" / "best"
     assert best_spec.spec.train.global_batch_size == result.best["config"]["train.global_batch_size"]
     assert best_spec.spec.optimizer.learning_rate == result.best["config"]["optimizer.learning_rate"]
     assert "tune" not in yaml.safe_load(open(result.best_spec_path))

@@ -1,0 +1,348 @@
+"""raytf as users run it: the real console script, started from the job folder, its parent and an
+unrelated folder, with relative, absolute and symlinked job files, and models with state
+(BatchNormalization, Dropout, Embedding, LayerNormalization). Each run checks what it leaves behind:
+nothing new in the job folder outside output.dir, and only raytf's own lines on the terminal."""
+import ast
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import DIGITS, REPO, assert_nothing_left, base_spec
+
+pytestmark = pytest.mark.timeout(300)
+
+RAYTF = str(Path(sys.executable).parent / "raytf")  # the console script pip installed
+
+STATEFUL_MODEL = textwrap.dedent('''
+    """Layers with state, as users write them: BatchNormalization, Dropout, Embedding, LayerNormalization."""
+    import keras
+
+
+    def build_model():
+        pixels = keras.Input(shape=(64,), name="pixels")
+        tokens = keras.Input(shape=(64,), name="tokens", dtype="int64")
+        dense = keras.layers.Dense(48)(pixels)
+        dense = keras.layers.Activation("relu")(keras.layers.BatchNormalization()(dense))
+        embedded = keras.layers.Flatten()(keras.layers.Embedding(17, 4)(tokens))
+        joined = keras.layers.LayerNormalization()(keras.layers.Concatenate()([dense, embedded]))
+        joined = keras.layers.Dropout(0.3)(keras.layers.Dense(32, activation="relu")(joined))
+        return keras.Model({"pixels": pixels, "tokens": tokens}, keras.layers.Dense(10)(joined))
+
+
+    def bn_model():
+        return keras.Sequential([keras.Input(shape=(64,)), keras.layers.Dense(32), keras.layers.BatchNormalization(),
+                                 keras.layers.Activation("relu"), keras.layers.Dropout(0.2), keras.layers.Dense(10)])
+
+
+    def custom_loop(ctx):
+        """A train_fn in the tf.distribute tutorials' style: strategy.run over a distributed dataset."""
+        import numpy as np
+        import pyarrow.parquet as pq
+        import tensorflow as tf
+
+        table = pq.read_table("data/digits-train.parquet")
+        x = np.stack(table.column("pixels").to_numpy(zero_copy_only=False)).astype("float32")
+        y = table.column("label").to_numpy()
+        shard = slice(ctx.rank, None, ctx.world_size)
+        ds = tf.data.Dataset.from_tensor_slices((x[shard], y[shard])).batch(ctx.per_replica_batch_size,
+                                                                            drop_remainder=True)
+        with ctx.strategy.scope():
+            model = ctx.build_model()
+            optimizer = keras.optimizers.Adam(0.01)
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+
+        @tf.function
+        def step(batch):
+            def replica(xb, yb):
+                with tf.GradientTape() as tape:
+                    loss = tf.nn.compute_average_loss(loss_fn(yb, model(xb, training=True)),
+                                                      global_batch_size=ctx.global_batch_size)
+                grads = tape.gradient(loss, model.trainable_variables)
+                optimizer.apply_gradients(zip(grads, model.trainable_variables))
+                return loss
+            return ctx.strategy.reduce("SUM", ctx.strategy.run(replica, args=batch), axis=None)
+
+        for epoch in range(2):
+            losses = [float(step(b)) for b in ds.take(20)]
+            ctx.report({"loss": sum(losses) / len(losses)})
+        ctx.save_model(model)
+''')
+
+
+def run_cli(args, cwd, timeout=240, extra_env=None):
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "TF_CPP_MIN_LOG_LEVEL")}
+    env.update(extra_env or {})
+    return subprocess.run([RAYTF, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def files_under(folder: Path, skip: Path | None = None) -> set[str]:
+    return {str(p.relative_to(folder)) for p in folder.rglob("*")
+            if p.is_file() and not (skip is not None and p.is_relative_to(skip))}
+
+
+@pytest.fixture
+def project(tmp_path):
+    """A user's project: jobs/ holds the job file, the model module and Parquet data (digits, plus an
+    integer `tokens` column for the Embedding); results go to ../runs/<name>."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    jobs = tmp_path / "proj" / "jobs"
+    (jobs / "data").mkdir(parents=True)
+    (jobs / "stateful.py").write_text(STATEFUL_MODEL)
+    for split in ("train", "test"):
+        table = pq.read_table(DIGITS / f"digits-{split}.parquet")
+        pixels = np.stack(table.column("pixels").to_numpy(zero_copy_only=False))
+        tokens = pa.FixedSizeListArray.from_arrays(pa.array(np.rint(pixels * 16).astype("int64").reshape(-1)), 64)
+        pq.write_table(table.append_column("tokens", tokens), jobs / "data" / f"digits-{split}.parquet",
+                       row_group_size=400)
+    spec = base_spec(name="stateful", model="stateful:build_model",
+                     data={"features": ["pixels", "tokens"]}, train={"epochs": 3, "global_batch_size": 64},
+                     output={"dir": "../runs/stateful"})
+    (jobs / "job.yaml").write_text(yaml.safe_dump(spec))
+    return jobs
+
+
+# ---------------------------------------------------------------- no Ray, no TensorFlow
+
+
+def test_no_code_path_calls_a_bare_ray_init():
+    """A bare ray.init() joins whatever cluster Ray last recorded in its temp dir, a dead one included."""
+    bare = []
+    for path in [*(REPO / "raytf").rglob("*.py"), *(REPO / "benchmarks").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "init"
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "ray"
+                    and not any(k.arg == "address" for k in node.keywords)):
+                bare.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not bare
+
+
+@pytest.mark.parametrize("override,says", [
+    ("train.epoch=3", "train.epoch: unknown key"),
+    ("train.epochs=many", "train.epochs: "),
+    ("train.global_batch_size=65", "use 64 or 66"),
+    ("data.train=data/nothing.parquet", "data.train: "),
+    ("data.label=digit", "['digit'] not in"),
+    ("model=digitz:build_model", "module 'digitz' not found"),
+])
+def test_a_spec_error_that_needs_no_tensorflow_is_found_without_importing_it(override, says):
+    code = textwrap.dedent(f"""
+        import sys
+        from raytf import spec
+        from raytf.errors import SpecError
+        try:
+            spec.load("jobs/digits.yaml", spec.parse_set_options([{override!r}]))
+        except SpecError as exc:
+            print(exc)
+        print("tensorflow imported:", "tensorflow" in sys.modules, "keras imported:", "keras" in sys.modules)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert says in proc.stdout, proc.stdout + proc.stderr
+    assert "tensorflow imported: False keras imported: False" in proc.stdout
+
+
+def test_a_bad_sweep_grid_is_found_without_importing_tensorflow():
+    code = textwrap.dedent("""
+        import sys
+        from raytf import tuner
+        from raytf.errors import SpecError
+        try:
+            tuner.prepare("jobs/digits-sweep.yaml", {"tune.space.train.global_batch_size": {"grid": [64, 99]}})
+        except SpecError as exc:
+            print(exc)
+        print("tensorflow imported:", "tensorflow" in sys.modules)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert "point p02" in proc.stdout and "use 98 or 100" in proc.stdout, proc.stdout + proc.stderr
+    assert "tensorflow imported: False" in proc.stdout
+
+
+@pytest.mark.parametrize("args,says", [
+    (["run", "digits.yaml", "--set", "data.label=digit"], "['digit'] not in"),
+    (["run", "digits.yaml", "--set", "loss=nosuchloss"], "unknown Keras loss 'nosuchloss'"),  # imports TF
+    (["tune", "digits-sweep.yaml", "--set", "optimizer.name=nosuchopt"], "cannot build 'nosuchopt'"),
+])
+def test_a_spec_error_is_the_only_line_on_stderr(args, says):
+    proc = run_cli(args, cwd=REPO / "jobs", timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("raytf: error: ") and says in lines[0], proc.stderr
+    assert proc.stdout == ""
+
+
+def test_verbose_brings_tensorflows_own_lines_back():
+    proc = run_cli(["run", "digits.yaml", "--set", "loss=nosuchloss", "-v"], cwd=REPO / "jobs", timeout=120)
+    assert proc.returncode == 2
+    assert "oneDNN" in proc.stderr or "cuda" in proc.stderr.lower(), proc.stderr  # TF's import-time lines
+    assert proc.stderr.splitlines()[-1].startswith("raytf: error: loss: unknown Keras loss")
+
+
+def test_only_noise_is_filtered_from_stderr():
+    from raytf.quiet import without_noise
+
+    text = ("WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n"
+            "I0000 00:00:1796282571.561262    4290 port.cc:153] oneDNN custom operations are on.\n"
+            "E0000 00:00:1796282577.740544    4335 cuda_platform.cc:52] failed call to cuInit\n"
+            "To enable the following instructions: AVX2 FMA, in other operations, rebuild TensorFlow with the "
+            "appropriate compiler flags.\n"
+            "UserWarning: the user's own warning\n"
+            "I0000 is not a log line\n")
+    assert without_noise(text) == "UserWarning: the user's own warning\nI0000 is not a log line\n"
+
+
+def test_a_job_folder_over_the_limit_names_its_largest_files_and_the_fix(tmp_path):
+    from raytf.errors import SpecError
+    from raytf.packaging import check_size
+
+    (tmp_path / "big.bin").write_bytes(b"x" * 3000)
+    (tmp_path / "small.py").write_text("x = 1\n")
+    (tmp_path / "ignored").mkdir()
+    (tmp_path / "ignored" / "huge.bin").write_bytes(b"x" * 9000)
+    (tmp_path / ".rayignore").write_text("ignored/\n")
+    assert check_size(tmp_path, [], limit=4000) == 3000 + 6 + len("ignored/\n")  # .rayignore'd files don't count
+    with pytest.raises(SpecError) as info:
+        check_size(tmp_path, [], limit=2000)
+    message = str(info.value)
+    assert "big.bin (0.0 MiB)" in message and "huge.bin" not in message
+    assert ".rayignore" in message and "storage every node reads" in message
+
+
+def test_an_explicit_address_sends_the_users_token(monkeypatch, tmp_path):
+    from raytf.session import auth_mode_for
+
+    for var in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert auth_mode_for("10.0.0.1:6379") is None  # no token: nothing to send
+    assert auth_mode_for(None) == "token"  # an embedded Ray makes its own token
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("t" * 64)
+    assert auth_mode_for("10.0.0.1:6379") == "token"
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    assert auth_mode_for("10.0.0.1:6379") is None  # the user's own choice stands
+
+
+# ---------------------------------------------------------------- the console script, on an embedded Ray
+
+
+def _where(project: Path, how: str, tmp_path: Path) -> tuple[Path, str]:
+    """(working directory, job file argument) for each way a user points raytf at the job."""
+    if how == "inside the job folder":
+        return project, "job.yaml"
+    if how == "from the project root":
+        return project.parent, "jobs/job.yaml"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(exist_ok=True)
+    if how == "elsewhere, absolute path":
+        return elsewhere, str(project / "job.yaml")
+    link = elsewhere / "linked.yaml"
+    link.symlink_to(project / "job.yaml")
+    return elsewhere, "linked.yaml"
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("how", ["inside the job folder", "from the project root", "elsewhere, absolute path",
+                                 "elsewhere, symlinked job file"])
+def test_run_trains_the_same_from_every_working_directory(project, tmp_path, how):
+    cwd, job_arg = _where(project, how, tmp_path)
+    before = files_under(project)
+    elsewhere_before = files_under(cwd) if cwd != project and cwd != project.parent else None
+    proc = run_cli(["run", job_arg, "--set", "train.epochs=1"], cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    out = project.parent / "runs" / "stateful"  # output.dir ../runs/stateful, against the job folder
+    result = json.loads((out / "result.json").read_text())
+    assert result["status"] == "succeeded" and (out / "model.keras").is_file()
+    assert files_under(project) == before  # nothing new in the job folder: no zip, no __pycache__
+    if elsewhere_before is not None:
+        assert files_under(cwd) == elsewhere_before  # nor where the user stood
+    assert f"result {out}/result.json" in proc.stdout
+    # The terminal has raytf's lines only: no TensorFlow start-up noise, no Ray INFO lines, no worker logs.
+    for noise in ("oneDNN", "cuda", "absl", "Creating a file package", "Pushing file package", "TaskActor pid",
+                  "INFO", "Started a local Ray"):
+        assert noise not in proc.stderr, proc.stderr
+    assert "raytf: workers' logs: " in proc.stderr and "epoch 1 done" in proc.stderr
+
+
+@pytest.mark.cluster
+def test_tune_from_inside_the_job_folder_leaves_it_as_it_was_and_its_best_spec_runs(project):
+    sweep = yaml.safe_load((project / "job.yaml").read_text())
+    sweep.update(name="sweep", model="stateful:bn_model", output={"dir": "../runs/sweep", "tensorboard": False},
+                 tune={"metric": "val_loss", "mode": "min",
+                       "space": {"optimizer.learning_rate": {"grid": [0.003, 0.03]}}})
+    sweep["data"]["features"] = ["pixels"]
+    sweep["train"]["epochs"] = 1
+    (project / "sweep.yaml").write_text(yaml.safe_dump(sweep))
+    before = files_under(project)
+    proc = run_cli(["tune", "sweep.yaml"], cwd=project)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert files_under(project) == before  # the best spec too goes to output.dir
+    best = project.parent / "runs" / "sweep" / "best.yaml"
+    assert best.is_file() and f"job spec {best}" in proc.stdout
+
+    proc = run_cli(["run", str(best)], cwd=project.parent.parent)  # the best spec runs as it is, from anywhere
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((project.parent / "runs" / "sweep" / "best" / "result.json").read_text())["status"] == "succeeded"
+    assert files_under(project) == before
+
+
+def test_data_inspect_reads_the_same_from_every_working_directory(project, tmp_path):
+    shown = set()
+    for cwd, path in ((project, "data/digits-train.parquet"), (project.parent, "jobs/data/digits-train.parquet"),
+                      (tmp_path, str(project / "data" / "digits-train.parquet"))):
+        proc = run_cli(["data", "inspect", path], cwd=cwd, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        shown.add(proc.stdout.replace(path, "PATH"))
+    assert len(shown) == 1 and "1,437 rows" in shown.pop()
+
+
+# ---------------------------------------------------------------- models with state, on the test cluster
+
+
+@pytest.mark.cluster
+def test_batchnorm_dropout_embedding_layernorm_end_identical_on_every_worker(cluster, project):
+    import keras
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    import raytf
+
+    result = raytf.fit(project / "job.yaml", {"output.dir": str(project.parent / "out")})
+    assert len(result.tasks) == 2
+    digests = {t["weights_digest"] for t in result.tasks}
+    assert len(digests) == 1, digests  # BatchNormalization's moving statistics included
+    losses = [h["loss"] for h in result.history]
+    assert losses[-1] < losses[0]
+
+    # The chief's saved model scores the validation rows as the run reported.
+    model = keras.models.load_model(result.model_path)
+    table = pq.read_table(project / "data" / "digits-test.parquet")
+    x = {name: np.stack(table.column(name).to_numpy(zero_copy_only=False)) for name in ("pixels", "tokens")}
+    predicted = model.predict(x, verbose=0).argmax(axis=1)
+    accuracy = float((predicted == table.column("label").to_numpy()).mean())
+    assert accuracy == pytest.approx(result.history[-1]["val_accuracy"], abs=1e-6)
+    assert accuracy > 0.8
+    assert_nothing_left()
+
+
+@pytest.mark.cluster
+def test_a_custom_loop_with_batchnorm_ends_identical_on_every_worker(cluster, project):
+    import raytf
+
+    spec = yaml.safe_load((project / "job.yaml").read_text())
+    spec.update(model="stateful:bn_model", train_fn="stateful:custom_loop", output={"dir": str(project.parent / "out2")})
+    spec.pop("data")
+    (project / "loop.yaml").write_text(yaml.safe_dump(spec))
+    result = raytf.fit(project / "loop.yaml")
+    digests = {t["weights_digest"] for t in result.tasks}
+    assert len(digests) == 1 and None not in digests
+    assert result.history[-1]["loss"] < result.history[0]["loss"]
+    assert_nothing_left()
