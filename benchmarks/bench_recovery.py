@@ -47,7 +47,7 @@ def run_raytf(work: Path) -> dict:
     import ray
     import raytf
     from raytf import controller, spec
-    from raytf.group import WorkerGroup
+    from raytf.ray_group import RayWorkerGroup
 
     job_spec = yaml.safe_load((REPO / "jobs" / "digits.yaml").read_text())
     job_spec.update(train={"epochs": EPOCHS, "global_batch_size": BATCH, "seed": 0},
@@ -59,7 +59,7 @@ def run_raytf(work: Path) -> dict:
     record: dict = {}
     stop = threading.Event()
 
-    class KillOnce(WorkerGroup):
+    class KillOnce(RayWorkerGroup):
         def train(self, payload):
             refs = super().train(payload)
             if not record:

@@ -1,7 +1,11 @@
-"""One job from placement to result: PLACE -> START -> RENDEZVOUS -> RUN -> DONE.
+"""One job as a state machine: placing -> starting -> running -> (restarting -> placing ...) -> done | failed.
 
-The controller owns every actor and the placement group it creates, and frees them on every path out
-(success, failure, Ctrl-C). The group class is a parameter, so tests can put a seam there.
+`Controller.step()` advances one state (while running: one poll of the tasks). What to do is decided by
+the policies (raytf.policy: restarts, elastic sizes, replacements, hangs, every number in `Limits`); how
+is the `Resources` and `WorkerGroup` interfaces (raytf.group; Ray's implementation in raytf.ray_group,
+an in-memory one in tests/fakes.py) and an injected clock, so a unit test can step a job without Ray or TensorFlow. What
+differs between strategies is asked of the job's backend (raytf.backends). The controller owns every
+actor and placement group it creates and frees them on every path out (success, failure, Ctrl-C).
 """
 from __future__ import annotations
 
@@ -11,43 +15,41 @@ import threading
 import time
 from typing import Any, Callable
 
-import ray
-from ray.exceptions import RayActorError
-
+from raytf import backends
 from raytf import failure as failure_lib
-from raytf import placement, rendezvous
 from raytf.checkpoint import Storage
 from raytf.errors import PlacementTimeout, PortTaken, SpecError, TrainingFailed, WorkerStartupError
 from raytf.failure import Failure
-from raytf.group import WorkerGroup, describe, root_cause
+from raytf.group import Finished, Resources, TaskError, WorkerGroup
 from raytf.packaging import runtime_env, upload_code
+from raytf.policy import Limits, ReplacementPolicy, RestartPolicy, ScalingPolicy, peer_grace_s, stalled
+from raytf.rendezvous import Task
 from raytf.report import ProgressDisplay, Result, summary_table, write_artifacts
-from raytf.spec import Job, JobSpec
+from raytf.spec import Job
 from raytf.worker_api import WorkerPayload
 
-RENDEZVOUS_ATTEMPTS = 3  # fresh ports each time; a port lost twice in a row is already rare
-POLL_INTERVAL_S = 1.0
-PEER_ERROR_GRACE_S = 2.0  # after a rank fails, how long to collect the others' errors before teardown
+PLACING, STARTING, RUNNING, RESTARTING, DONE, FAILED = "placing", "starting", "running", "restarting", "done", "failed"
+
+
+class WallClock:
+    """Seconds since the epoch; tests step the controller with a fake one."""
+
+    @staticmethod
+    def now() -> float:
+        return time.time()
 
 
 def build_payload(job: Job) -> WorkerPayload:
     spec = job.spec
     if spec.data is None:
-        return WorkerPayload(spec=spec)
+        return WorkerPayload(spec=spec, checkpoint_dir=job.checkpoint_dir)
     val = spec.data.validation
     return WorkerPayload(
         spec=spec,
-        train_data=job.datasets["train"], train_root=job.actor_data_path(spec.data.train),
+        train_data=job.datasets.get("train"), train_root=job.actor_data_path(spec.data.train),
         val_data=job.datasets.get("validation"), val_root=job.actor_data_path(val) if val else None,
+        checkpoint_dir=job.checkpoint_dir,
     )
-
-
-class AttemptFailed(Exception):
-    """One attempt ended badly; `failure` says how, for the restart policy."""
-
-    def __init__(self, failure: Failure, nodes: list[str] | None = None):
-        super().__init__(failure.message)
-        self.failure, self.nodes = failure, nodes or []
 
 
 class EpochFeed:
@@ -64,490 +66,6 @@ class EpochFeed:
                 self.display.epoch(metrics)
                 if self.on_epoch is not None:
                     self.on_epoch(dict(metrics))
-
-
-def run(job: Job, group_cls: Callable[..., WorkerGroup] = WorkerGroup,
-        display: ProgressDisplay | None = None, resume: bool = False,
-        on_epoch: Callable[[dict[str, Any]], None] | None = None, placement_group=None,
-        code_env: dict[str, Any] | None = None, verbose: bool = False) -> Result:
-    """Attempts until one succeeds or the failure policy gives up: each attempt reserves, starts,
-    trains and tears down; a restart resumes from the latest checkpoint.
-
-    `on_epoch(metrics)` is called once per finished epoch. `placement_group`: run in a group someone
-    else reserved (a Ray Tune trial's), one bundle per worker from index 0; it is not removed here.
-    `code_env`: the actors' runtime env, already uploaded by `packaging.upload_code` (a sweep uploads the job
-    folder once, from the driver, for all its trials: a trial may run on a node without that folder).
-    `verbose`: Ray's own lines about the upload too."""
-    spec = job.spec
-    display = display or ProgressDisplay(quiet=True)
-    epochs = EpochFeed(display, on_epoch)
-    started = time.time()
-    result = Result(name=spec.name, strategy=spec.strategy, status="failed", output_dir=str(job.output_dir))
-    storage = _checkpoint_storage(job, resume)
-    env = code_env if code_env is not None else upload_code(runtime_env(job), verbose=verbose)
-    bad_checkpoints: set[str] = set()
-    held = _HeldGroup(placement_group)
-    standby = _StandbyPool(spec.failure.standby and spec.failure.max_restarts > 0 and spec.strategy == "mirrored")
-    base_payload = dataclasses.replace(build_payload(job), checkpoint_dir=job.checkpoint_dir)
-    try:
-        while True:
-            # Every attempt asks for the full worker count; _attempt shrinks it under failure.elastic.
-            resume_from = storage.latest(exclude=bad_checkpoints) if storage and (resume or result.restarts) else None
-            payload = dataclasses.replace(base_payload, resume_from=resume_from)
-            try:
-                tasks, outcomes = _attempt(job, spec, payload, group_cls, env, display, result,
-                                           elastic=bool(result.restarts), epochs=epochs, held=held, standby=standby)
-                break
-            except AttemptFailed as failed:
-                decision = failure_lib.decide(failed.failure, _counted(result.restarts), spec.failure.max_restarts)
-                if not decision.restart:
-                    raise TrainingFailed(f"training failed: {failed.failure.message}"
-                                         + (f" ({decision.reason})" if result.restarts else ""),
-                                         failed.failure.causes) from None
-                if failed.failure.kind == "checkpoint":
-                    bad_checkpoints.add(resume_from.path)
-                result.restarts.append({
-                    "at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "time": round(time.time(), 3),
-                    "kind": failed.failure.kind,
-                    "reason": failed.failure.message, "ranks": list(failed.failure.ranks), "nodes": failed.nodes,
-                    "resumed_from_step": None})
-                display.message(f"raytf: attempt failed: {failed.failure.message}; {decision.reason}")
-    except BaseException as exc:
-        result.error = str(exc)
-        result.wall_s = round(time.time() - started, 3)
-        result.write()
-        raise
-    finally:
-        standby.release()
-        held.release()
-
-    chief = outcomes[0]
-    if result.restarts:  # when training was back on its feet after the last failure
-        result.restarts[-1]["first_step_at"] = chief.get("first_step_at")
-    epochs.feed(chief["history"])  # the epochs that ended after the last poll
-    write_artifacts(job.output_dir, chief.pop("artifacts", {}))
-    result.status = "succeeded"
-    result.history = chief["history"]
-    result.variable_devices = chief.get("variable_devices", {})
-    recovered = chief.get("recovered_workers", [])
-    for loss in result.worker_losses:  # the coordinator took the replacement back
-        loss["rejoined"] = any(d.endswith(f"/job:worker/replica:0/task:{loss['worker']}") for d in recovered)
-    evaluator = [o for t, o in zip(tasks, outcomes) if t.role == "evaluator"]
-    if evaluator:
-        result.evaluations = evaluator[0].get("evaluations", [])
-        _merge_evaluations(result.history, result.evaluations)
-    result.tasks = [dict(rank=t.rank, role=_role_name(t, spec), index=t.index, node_ip=t.node_ip,
-                         node_id=t.node_id, address=t.address, gpu_ids=list(t.gpu_ids),
-                         cuda_visible_devices=t.cuda_visible_devices,
-                         weights_digest=o.get("weights_digest"), steps=o.get("steps"),
-                         optimizer_steps=o.get("optimizer_steps"))
-                    for t, o in zip(tasks, outcomes)]
-    result.wall_s = round(time.time() - started, 3)
-    if chief.get("first_step_at"):
-        result.time_to_first_step_s = round(chief["first_step_at"] - started, 3)
-        train_s = chief["finished_at"] - chief["first_step_at"]
-        steps_after_first = max(chief["steps_run"] - 1, 0)
-        if train_s > 0 and steps_after_first:
-            result.examples_per_s = round(steps_after_first * spec.train.global_batch_size / train_s, 1)
-    model_path = job.output_dir / "model.keras"
-    result.model_path = str(model_path) if model_path.exists() else None
-    tb = job.output_dir / "tensorboard"
-    result.tensorboard_dir = str(tb) if tb.exists() else None
-    result.write()
-    display.message(summary_table(result.history))
-    return result
-
-
-def _role_name(task: rendezvous.Task, spec: JobSpec) -> str:
-    if spec.strategy == "mirrored":
-        return "chief" if task.rank == 0 else "worker"
-    return task.role
-
-
-def _merge_evaluations(history: list[dict[str, Any]], evaluations: list[dict[str, Any]]) -> None:
-    """The evaluator's val_* metrics into the epochs whose end-of-epoch checkpoint it evaluated."""
-    by_epoch = {e["epoch"]: e for e in evaluations if "epoch" in e}
-    for metrics in history:
-        found = by_epoch.get(metrics.get("epoch"))
-        if found:
-            metrics.update({k: v for k, v in found.items() if k.startswith("val_")})
-
-
-def _counted(restarts: list[dict]) -> int:
-    """Restarts charged to failure.max_restarts: a fallback from a corrupt checkpoint is not."""
-    return sum(1 for r in restarts if r["kind"] != "checkpoint")
-
-
-def _checkpoint_storage(job: Job, resume: bool) -> Storage | None:
-    if job.checkpoint_dir is None:
-        if resume:
-            raise SpecError("--resume: the job has no checkpoint.dir to resume from; set checkpoint.dir")
-        return None
-    storage = Storage(job.checkpoint_dir)
-    latest = storage.latest()
-    if latest is not None and not resume:
-        raise SpecError(f"checkpoint.dir {job.checkpoint_dir} already holds checkpoints (latest at step "
-                        f"{latest.step}); pass --resume to continue from it, or choose another checkpoint.dir")
-    return storage
-
-
-def _with_workers(spec: JobSpec, workers: int) -> JobSpec:
-    if workers == spec.cluster.workers:
-        return spec
-    return spec.model_copy(update={"cluster": spec.cluster.model_copy(update={"workers": workers})})
-
-
-def _reserve(spec: JobSpec, display: ProgressDisplay, elastic: bool):
-    """The placement group for this attempt. After a failure, with failure.elastic, a cluster that cannot
-    give back every worker in time is asked for fewer (down to min_workers, keeping the batch divisible)."""
-    sizes = [spec.cluster.workers]
-    if elastic and spec.failure.elastic is not None:
-        sizes = failure_lib.elastic_sizes(spec.cluster.workers, spec.failure.elastic.min_workers,
-                                          spec.train.global_batch_size, spec.cluster.replicas_per_worker)
-    for i, workers in enumerate(sizes):
-        bundles = placement.job_bundles(_with_workers(spec, workers))
-        timeout = spec.cluster.reserve_timeout_s if i == 0 else min(10.0, spec.cluster.reserve_timeout_s)
-        roles = placement.bundle_roles(spec)
-        shown = ", ".join(f"{roles.count(r)} {r}" for r in dict.fromkeys(roles)) if spec.strategy != "mirrored" else ""
-        display.message(f"raytf: reserving {len(bundles)} x {bundles[-1]} " + (f"({shown}) " if shown else "")
-                        + f"({spec.cluster.effective_placement})")
-        try:
-            return placement.reserve(bundles, spec.cluster.effective_placement, timeout,
-                                     name=f"raytf-{spec.name}-{os.getpid()}"), bundles
-        except PlacementTimeout:
-            if i == len(sizes) - 1:
-                raise
-            display.message(f"raytf: {workers} workers not available; trying {sizes[i + 1]} (failure.elastic)")
-    raise AssertionError("unreachable")
-
-
-class _StandbyPool:
-    """Warm actors for the next attempt, one per bundle (started once an attempt's actors are set up, or
-    once a restarted attempt trains again): each has imported TensorFlow and holds no resources. Most of a restart
-    is new processes importing TensorFlow; a restart promotes these instead (TF 2.21 cannot re-form a
-    collective group inside a process that was in one, so survivors cannot be reused)."""
-
-    STANDBY_CHECK_S = 1.0
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-        self.pg = None
-        self.actors: dict[int, tuple[Any, tuple, str | None]] = {}
-
-    def fill(self, pg, bundles: list[dict[str, float]], env: dict[str, Any], tasks: list[rendezvous.Task]) -> None:
-        if not self.enabled or self.actors:
-            return
-        from raytf.group import create_actor
-
-        self.pg = pg
-        for t in tasks:
-            self.actors[t.bundle_index] = (create_actor(pg, t.bundle_index, {}, env), t.gpu_ids, t.cuda_visible_devices)
-
-    def take(self, pg, count: int) -> dict[int, tuple[Any, tuple, str | None]]:
-        """The live standbys of bundles 0..count-1 of this placement group; the others are let go."""
-        if not self.actors:
-            return {}
-        actors, self.actors = self.actors, {}
-        usable = {i: a for i, a in actors.items() if i < count and self.pg is not None and pg.id == self.pg.id}
-        refs = {i: a[0].report.remote() for i, a in usable.items()}
-        ready = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.STANDBY_CHECK_S)[0] if refs else []
-        alive = {}
-        for i, ref in refs.items():
-            if ref in ready:
-                try:
-                    ray.get(ref)
-                    alive[i] = usable[i]
-                except Exception:  # died with its node
-                    pass
-        for i, (actor, _, _) in actors.items():
-            if i not in alive:
-                _kill(actor)
-        return alive
-
-    def release(self) -> None:
-        for actor, _, _ in self.actors.values():
-            _kill(actor)
-        self.actors = {}
-
-
-def _kill(actor) -> None:
-    try:
-        ray.kill(actor, no_restart=True)
-    except Exception:  # already gone
-        pass
-
-
-class _HeldGroup:
-    """The placement group kept across attempts: a restart re-uses it (the resources are never let go,
-    so no other job can take them meanwhile, and Ray moves bundles off a dead node by itself); it is
-    replaced only when it cannot be ready again in time. A group given by the caller is never removed."""
-
-    def __init__(self, given=None):
-        self.given, self.pg, self.bundles = given, given, None
-
-    def release(self) -> None:
-        if self.pg is not None and self.given is None:
-            placement.release(self.pg)
-        self.pg = None
-
-    def get(self, spec: JobSpec, display: ProgressDisplay, elastic: bool):
-        if self.given is not None:
-            return self.given, placement.job_bundles(spec)
-        if self.pg is not None:
-            ready, _ = ray.wait([self.pg.ready()], timeout=spec.cluster.reserve_timeout_s)
-            if ready:
-                return self.pg, self.bundles
-            display.message("raytf: the placement group did not come back in time; reserving anew")
-            self.release()
-        self.pg, self.bundles = _reserve(spec, display, elastic)
-        return self.pg, self.bundles
-
-
-def _attempt(job: Job, spec: JobSpec, payload: WorkerPayload, group_cls, env: dict, display: ProgressDisplay,
-             result: Result, elastic: bool, epochs: EpochFeed, held: _HeldGroup, standby: "_StandbyPool"):
-    """Reserve (or re-use the held group), start, rendezvous, train; always stop the actors.
-    Returns (tasks, outcomes by rank)."""
-    phase = _PhaseClock(result.phases, time.time())
-    pg, bundles = held.get(spec, display, elastic)
-    if spec.strategy == "mirrored" and len(bundles) != spec.cluster.workers:  # failure.elastic
-        spec = _with_workers(spec, len(bundles))
-        payload = dataclasses.replace(payload, spec=spec)
-    result.workers = spec.cluster.workers
-    if result.restarts:
-        result.restarts[-1].update(resumed_from_step=payload.resume_from.step if payload.resume_from else 0,
-                                   workers=spec.cluster.workers)
-    phase.done("reserve_s")
-    group = None
-    try:
-        warm = standby.take(pg, len(bundles))
-        if result.restarts:
-            result.restarts[-1]["standby"] = len(warm)  # warm processes promoted (0: all new)
-        for rendezvous_attempt in range(1, RENDEZVOUS_ATTEMPTS + 1):
-            group = group_cls(pg, bundles, env, standby=warm) if warm else group_cls(pg, bundles, env)
-            warm = {}
-            try:
-                tasks = _start(group, payload, spec.cluster.start_timeout_s)
-            except PortTaken as exc:
-                group.stop()
-                if rendezvous_attempt == RENDEZVOUS_ATTEMPTS:
-                    raise AttemptFailed(Failure("startup", str(exc), (), {str(exc): []})) from None
-                display.message(f"raytf: {exc}; new rendezvous (attempt {rendezvous_attempt + 1})")
-                continue
-            except WorkerStartupError as exc:
-                raise AttemptFailed(Failure("startup", str(exc), (), {str(exc): []})) from None
-            result.rendezvous_attempts = rendezvous_attempt
-            break
-        phase.done("start_s")
-        display.message("raytf: " + ", ".join(f"rank {t.rank}@{t.address}" + (f" gpu {','.join(t.gpu_ids)}" if t.gpu_ids else "")
-                                               for t in tasks))
-        if spec.strategy == "parameter_server":
-            outcomes = _supervise_parameter_server(group, tasks, payload, display, epochs, result)
-        else:
-            # Warm processes for the next attempt import TensorFlow while the first one builds its model;
-            # after a restart, only once it trains again (they would slow the recovery down).
-            arm = lambda: standby.fill(pg, bundles, env, tasks)  # noqa: E731
-            if not result.restarts:
-                arm()
-            outcomes = _supervise(group, tasks, payload, display, epochs, spec.failure.hang_timeout_s,
-                                  on_training=arm if result.restarts else None)
-        phase.done("train_s")
-        return tasks, outcomes
-    finally:
-        if group is not None:
-            group.stop()
-
-
-def _start(group: WorkerGroup, payload: WorkerPayload, timeout_s: float) -> list[rendezvous.Task]:
-    reports = group.start(timeout_s)
-    if payload.spec.strategy == "parameter_server":
-        tasks = rendezvous.assign_roles(reports, placement.bundle_roles(payload.spec))
-    else:
-        tasks = rendezvous.assign_ranks(reports)
-    group.setup(tasks, payload, timeout_s)
-    return tasks
-
-
-def _supervise(group: WorkerGroup, tasks: list[rendezvous.Task], payload: WorkerPayload,
-               display: ProgressDisplay, epochs: EpochFeed, hang_timeout_s: float,
-               on_training: Callable[[], None] | None = None) -> list[dict[str, Any]]:
-    """Wait for every rank while showing progress; the first failure or a hang ends the attempt.
-    `on_training()` is called once, when the chief has trained its first step."""
-    refs = group.train(payload)
-    rank_of = {ref: rank for rank, ref in enumerate(refs)}
-    outcomes: dict[int, dict[str, Any]] = {}
-    pending = list(refs)
-    now = time.time()
-    last_seen = {rank: (None, now) for rank in range(len(refs))}
-    rate = _Rate()
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1, timeout=POLL_INTERVAL_S)
-        for ref in done:
-            try:
-                outcomes[rank_of[ref]] = ray.get(ref)
-            except Exception as exc:
-                _fail(tasks, rank_of, ref, exc, pending)
-        if not pending:
-            break
-        progress = group.progress(timeout_s=POLL_INTERVAL_S * 4)
-        now = time.time()
-        for rank, p in enumerate(progress):
-            if p is None:
-                continue
-            marker = (p.get("phase"), p.get("global_step"))
-            if marker != last_seen[rank][0]:
-                last_seen[rank] = (marker, now)
-        stalled = [rank for rank, (_, seen) in last_seen.items() if rank not in outcomes and now - seen > hang_timeout_s]
-        if stalled:
-            message = f"training hung: no progress from rank(s) {stalled} for {hang_timeout_s:g}s (failure.hang_timeout_s)"
-            raise AttemptFailed(Failure("hang", message, tuple(stalled), {message: stalled}),
-                                sorted({tasks[r].node_ip for r in stalled}))
-        if progress[0] is not None:
-            epochs.feed(progress[0].get("epochs", []))
-            if on_training is not None and progress[0].get("global_step", 0) > 0:
-                on_training()
-                on_training = None
-        display.update(progress[0], rate.update(progress[0]))
-    return [outcomes[rank] for rank in range(len(refs))]
-
-
-def _supervise_parameter_server(group: WorkerGroup, tasks: list[rendezvous.Task], payload: WorkerPayload,
-                                display: ProgressDisplay, epochs: EpochFeed, result: Result) -> list[dict[str, Any]]:
-    """Wait for the chief (then the evaluator) while showing progress. A worker that dies is only a
-    loss of capacity: the coordinator re-runs its step elsewhere, and raytf starts a replacement at the
-    same address for the coordinator to take back. A dead ps task, a chief error or a chief without
-    progress ends the attempt. The evaluator is a side-car: its failure is recorded, never fatal."""
-    spec = payload.spec
-    hang_timeout_s = spec.failure.hang_timeout_s
-    refs = group.train(payload)
-    task_of = {ref: t for ref, t in zip(refs, tasks)}
-    awaited = [ref for ref in refs if task_of[ref].role in ("chief", "evaluator")]
-    watched = [ref for ref in refs if task_of[ref].role in ("ps", "worker")]
-    outcomes: dict[int, dict[str, Any]] = {}
-    chief_seen = (None, time.time())
-    chief_done_at: float | None = None
-    replacing: list[_Replacement] = []
-    replacements_left = 2 * spec.cluster.workers
-    rate = _Rate()
-    while awaited:
-        done, _ = ray.wait(awaited + watched, num_returns=1, timeout=POLL_INTERVAL_S)
-        for ref in done:
-            task = task_of.pop(ref)
-            try:
-                outcomes[task.rank] = ray.get(ref)
-            except Exception as exc:
-                if task.role == "evaluator":
-                    result.evaluations_error = describe(exc)
-                    display.message(f"raytf: the evaluator failed ({result.evaluations_error}); training goes on")
-                elif task.role == "worker":
-                    watched.remove(ref)
-                    loss = {"worker": task.index, "node_ip": task.node_ip, "at": round(time.time(), 3),
-                            "cause": describe(exc), "replaced": False}
-                    result.worker_losses.append(loss)
-                    display.message(f"raytf: worker {task.index} on {task.node_ip} lost ({loss['cause']}); "
-                                    f"the other workers go on")
-                    if replacements_left > 0 and chief_done_at is None:
-                        replacements_left -= 1
-                        replacing.append(_Replacement(group, task, payload, loss))
-                    continue
-                else:
-                    failure = failure_lib.aggregate([_rank_error(task.rank, exc)])
-                    message = f"{task.role} {task.index} (rank {task.rank}, {task.node_ip}): {failure.message}"
-                    raise AttemptFailed(dataclasses.replace(failure, message=message), [task.node_ip]) from None
-            if ref in awaited:
-                awaited.remove(ref)
-            if task.role == "chief":
-                chief_done_at = time.time()
-        for replacement in [r for r in replacing if r.finished]:
-            replacing.remove(replacement)
-            if replacement.ref is not None:
-                replacement.loss["replaced"] = True
-                task_of[replacement.ref] = replacement.task
-                watched.append(replacement.ref)
-            display.message(f"raytf: worker {replacement.task.index} " +
-                            (f"is back at {replacement.task.address}" if replacement.ref is not None
-                             else f"could not be brought back ({replacement.error})"))
-        if not awaited:
-            break
-        progress = group.progress(timeout_s=POLL_INTERVAL_S * 4)
-        now = time.time()
-        chief = progress[0]
-        if chief is not None and chief_done_at is None:
-            marker = (chief.get("phase"), chief.get("global_step"))
-            if marker != chief_seen[0]:
-                chief_seen = (marker, now)
-            epochs.feed(chief.get("epochs", []))
-            display.update(chief, rate.update(chief))
-        if chief_done_at is None and now - chief_seen[1] > hang_timeout_s:
-            message = f"training hung: no progress from the chief for {hang_timeout_s:g}s (failure.hang_timeout_s)"
-            raise AttemptFailed(Failure("hang", message, (0,), {message: [0]}), [tasks[0].node_ip])
-        if chief_done_at is not None and now - chief_done_at > hang_timeout_s:  # only the evaluator is left
-            result.evaluations_error = (f"the evaluator did not finish within {hang_timeout_s:g}s "
-                                        f"(failure.hang_timeout_s) after training ended")
-            display.message(f"raytf: {result.evaluations_error}; stopping it")
-            for ref in awaited:
-                evaluator = task_of[ref]
-                final = (progress[evaluator.rank] or {}).get("evaluations", [])
-                outcomes[evaluator.rank] = {"evaluations": final, "history": []}
-            break
-    return [outcomes.get(t.rank, {}) for t in tasks]
-
-
-class _Replacement:
-    """A new actor for a dead worker, in its bundle and at its address (TF's cluster is fixed at start),
-    started in a thread so the supervisor keeps watching meanwhile. `ref`: its train ref once set up."""
-
-    def __init__(self, group: WorkerGroup, task: rendezvous.Task, payload: WorkerPayload, loss: dict):
-        self.task, self.loss = task, loss
-        self.ref, self.error = None, None
-        self._thread = threading.Thread(target=self._run, args=(group, payload), daemon=True)
-        self._thread.start()
-
-    @property
-    def finished(self) -> bool:
-        return not self._thread.is_alive()
-
-    def _run(self, group: WorkerGroup, payload: WorkerPayload) -> None:
-        try:
-            self.ref = group.replace(self.task, payload, payload.spec.cluster.start_timeout_s)
-        except Exception as exc:
-            self.error = describe(exc)
-
-
-def _rank_error(rank: int, exc: BaseException) -> failure_lib.RankError:
-    cause = root_cause(exc)
-    return failure_lib.RankError(rank, failure_lib.classify(type(cause).__name__, str(cause),
-                                                            actor_died=isinstance(cause, RayActorError)),
-                                 describe(exc))
-
-
-def _fail(tasks: list[rendezvous.Task], rank_of: dict, failed_ref, exc: BaseException, pending: list) -> None:
-    """Collect the peers' errors for a moment (often broken collectives, as a consequence), then raise
-    the aggregate: root cause first, identical errors grouped by rank."""
-    errors = [_rank_error(rank_of[failed_ref], exc)]
-    # A dead actor explains its peers' trouble (they are stuck in a collective and would only time
-    # out): don't wait for them. Otherwise give them a moment to report their own errors.
-    grace = 0.0 if errors[0].kind == "actor_died" else PEER_ERROR_GRACE_S
-    if pending:
-        done, _ = ray.wait(pending, num_returns=len(pending), timeout=grace)
-        for ref in done:
-            try:
-                ray.get(ref)
-            except Exception as peer_exc:
-                errors.append(_rank_error(rank_of[ref], peer_exc))
-    failure = failure_lib.aggregate(errors)
-    raise AttemptFailed(failure, sorted({tasks[r].node_ip for r in failure.ranks}))
-
-
-class _PhaseClock:
-    """Seconds spent in each phase of the run, for result.json's `phases`."""
-
-    def __init__(self, phases: dict[str, float], started: float):
-        self.phases, self._last = phases, started
-
-    def done(self, name: str) -> None:
-        now = time.time()
-        self.phases[name] = round(now - self._last, 3)
-        self._last = now
 
 
 class _Rate:
@@ -567,3 +85,429 @@ class _Rate:
             self._prev = point
         return self.value
 
+
+class _Replacement:
+    """A new actor for a dead task, in its bundle and at its address (TF's cluster is fixed at start),
+    started in a thread so the supervisor keeps watching meanwhile. `handle`: its train handle once set up."""
+
+    def __init__(self, group: WorkerGroup, task: Task, payload: WorkerPayload, loss: dict):
+        self.task, self.loss = task, loss
+        self.handle, self.error = None, None
+        self._thread = threading.Thread(target=self._run, args=(group, payload), daemon=True)
+        self._thread.start()
+
+    @property
+    def finished(self) -> bool:
+        return not self._thread.is_alive()
+
+    def _run(self, group: WorkerGroup, payload: WorkerPayload) -> None:
+        try:
+            self.handle = group.replace(self.task, payload, payload.spec.cluster.start_timeout_s)
+        except Exception as exc:
+            self.error = str(exc)
+
+
+@dataclasses.dataclass
+class _Attempt:
+    """What one attempt holds while it runs."""
+
+    spec: Any
+    payload: WorkerPayload
+    bundles: list[dict[str, float]]
+    group: WorkerGroup | None = None
+    rendezvous_tries: int = 0
+    tasks: list[Task] = dataclasses.field(default_factory=list)
+    task_of: dict = dataclasses.field(default_factory=dict)  # train handle -> task
+    awaited: list = dataclasses.field(default_factory=list)  # handles the attempt waits for
+    watched: list = dataclasses.field(default_factory=list)  # handles whose failure matters, not awaited
+    outcomes: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)  # by rank
+    progress_seen: dict[int, tuple[Any, float]] = dataclasses.field(default_factory=dict)  # rank -> (marker, when)
+    training_done_at: float | None = None  # every watched task returned (an evaluator may go on)
+    replacing: list[_Replacement] = dataclasses.field(default_factory=list)
+    replacements: ReplacementPolicy | None = None
+    standby_armed: bool = False
+
+
+class Controller:
+    def __init__(self, job: Job, resources: Resources, *, env: dict[str, Any], limits: Limits = Limits(),
+                 clock=WallClock, display: ProgressDisplay | None = None, resume: bool = False,
+                 on_epoch: Callable[[dict[str, Any]], None] | None = None, placement_group=None):
+        self.job, self.spec = job, job.spec
+        self.backend = backends.get(self.spec.strategy)
+        self.resources, self.env, self.limits, self.clock = resources, env, limits, clock
+        self.display = display or ProgressDisplay(quiet=True)
+        self.epochs = EpochFeed(self.display, on_epoch)
+        self.resume = resume
+        self.given_pg, self.pg = placement_group, placement_group
+        self.restart_policy = RestartPolicy(self.spec.failure.max_restarts)
+        self.scaling = ScalingPolicy(self.spec, limits, self.backend.supports_elastic)
+        self.storage = _checkpoint_storage(job, resume)
+        self.base_payload = build_payload(job)
+        self.bad_checkpoints: set[str] = set()
+        self.started = clock.now()
+        self.result = Result(name=self.spec.name, strategy=self.spec.strategy, status="failed",
+                             output_dir=str(job.output_dir))
+        self.decisions: list[dict[str, Any]] = []  # one per failed attempt: what happened, what was done
+        self.worker_losses: list[dict[str, Any]] = []
+        self.state = PLACING
+        self.attempt: _Attempt | None = None
+        self.failure: tuple[Failure, list[str]] | None = None
+        self.error: BaseException | None = None
+        self._phase_started = self.started
+        self._rate = _Rate()
+
+    # ---------------------------------------------------------------- driving
+
+    def run(self) -> Result:
+        try:
+            while self.state not in (DONE, FAILED):
+                self.step()
+            if self.state == FAILED:
+                raise self.error
+        except BaseException as exc:
+            self._stop_group()
+            self.result.error = str(exc)
+            self._write()
+            raise
+        finally:
+            self.resources.release_standby()
+            if self.pg is not None and self.given_pg is None:
+                self.resources.release(self.pg)
+                self.pg = None
+        return self.result
+
+    def step(self) -> str:
+        """Advance one state; returns the new one."""
+        {PLACING: self._place, STARTING: self._start, RUNNING: self._supervise, RESTARTING: self._decide}[self.state]()
+        return self.state
+
+    # ---------------------------------------------------------------- states
+
+    def _place(self) -> None:
+        """The placement group for the next attempt: the caller's, the one held since the last attempt
+        (the resources are never let go, and Ray moves bundles off a dead node by itself), or a new one."""
+        spec, backend = self.spec, self.backend
+        self._phase_started = self.clock.now()
+        workers = spec.cluster.workers
+        if self.given_pg is None:
+            if self.pg is not None and not self.resources.ready_again(self.pg, spec.cluster.reserve_timeout_s):
+                self.display.message("raytf: the placement group did not come back in time; reserving anew")
+                self.resources.release(self.pg)
+                self.pg = None
+            if self.pg is None:
+                self.pg, workers = self._reserve()
+            else:
+                workers = self.attempt.spec.cluster.workers
+        attempt_spec = backend.with_workers(spec, workers)
+        resume_from = (self.storage.latest(exclude=self.bad_checkpoints)
+                       if self.storage and (self.resume or self.decisions) else None)
+        payload = dataclasses.replace(self.base_payload, spec=attempt_spec, resume_from=resume_from)
+        self.attempt = _Attempt(attempt_spec, payload, backend.bundles(attempt_spec),
+                                replacements=ReplacementPolicy(attempt_spec.cluster.workers, self.limits))
+        self.result.workers = attempt_spec.cluster.workers
+        if self.decisions:
+            self.decisions[-1].update(resumed_from_step=resume_from.step if resume_from else 0, workers=workers)
+        self._phase("reserve_s")
+        self.state = STARTING
+
+    def _reserve(self) -> tuple[Any, int]:
+        sizes = self.scaling.sizes(after_failure=bool(self.decisions))
+        note = self.backend.reservation_note(self.spec)
+        placement = self.spec.cluster.effective_placement
+        for i, (workers, timeout_s) in enumerate(sizes):
+            bundles = self.backend.bundles(self.backend.with_workers(self.spec, workers))
+            self.display.message(f"raytf: reserving {len(bundles)} x {bundles[-1]} " + (f"({note}) " if note else "")
+                                 + f"({placement})")
+            try:
+                return self.resources.reserve(bundles, placement, timeout_s,
+                                              name=f"raytf-{self.spec.name}-{os.getpid()}"), workers
+            except PlacementTimeout:
+                if i == len(sizes) - 1:
+                    raise
+                self.display.message(f"raytf: {workers} workers not available; trying {sizes[i + 1][0]} "
+                                     f"(failure.elastic)")
+        raise AssertionError("unreachable")
+
+    def _start(self) -> None:
+        """One rendezvous: actors report in, ranks are assigned, TensorFlow starts; a port lost meanwhile
+        costs a fresh rendezvous (up to Limits.rendezvous_attempts)."""
+        a, timeout_s = self.attempt, self.spec.cluster.start_timeout_s
+        a.rendezvous_tries += 1
+        warm = {}
+        if a.rendezvous_tries == 1:
+            warm = self.resources.take_standby(self.pg, len(a.bundles))
+            if self.decisions:
+                self.decisions[-1]["standby"] = len(warm)  # warm processes promoted (0: all new)
+        a.group = self.resources.new_group(self.pg, a.bundles, self.env, warm)
+        try:
+            a.tasks = self.backend.assign(a.group.start(timeout_s), a.spec)
+            a.group.setup(a.tasks, a.payload, timeout_s)
+        except PortTaken as exc:
+            self._stop_group()
+            if a.rendezvous_tries >= self.limits.rendezvous_attempts:
+                return self._attempt_failed(Failure("startup", str(exc), (), {str(exc): []}))
+            self.display.message(f"raytf: {exc}; new rendezvous (attempt {a.rendezvous_tries + 1})")
+            return
+        except WorkerStartupError as exc:
+            self._stop_group()
+            return self._attempt_failed(Failure("startup", str(exc), (), {str(exc): []}))
+        self.result.rendezvous_attempts = a.rendezvous_tries
+        self._phase("start_s")
+        self.display.message("raytf: " + ", ".join(
+            f"rank {t.rank}@{t.address}" + (f" gpu {','.join(t.gpu_ids)}" if t.gpu_ids else "") for t in a.tasks))
+        handles = a.group.train(a.payload)
+        now = self.clock.now()
+        for task, handle in zip(a.tasks, handles):
+            a.task_of[handle] = task
+            supervision = self.backend.supervision[task.role]
+            (a.awaited if supervision.awaited else a.watched).append(handle)
+            if supervision.watched:
+                a.progress_seen[task.rank] = (None, now)
+        # Warm processes for the next attempt import TensorFlow while the first one builds its model;
+        # after a restart, only once it trains again (they would slow the recovery down).
+        if not self.decisions:
+            self._arm_standby()
+        self.state = RUNNING
+
+    def _supervise(self) -> None:
+        """One poll: collect the tasks that returned, bring back lost ones, watch for hangs, show progress."""
+        a = self.attempt
+        for finished in a.group.wait(a.awaited + a.watched, self.limits.poll_interval_s):
+            if self._returned(finished):
+                return  # the attempt ended
+        self._collect_replacements()
+        if not a.awaited:
+            return self._finish()
+        progress = a.group.progress(self.limits.progress_timeout_s)
+        now = self.clock.now()
+        hang_timeout_s = self.spec.failure.hang_timeout_s
+        if a.training_done_at is None:
+            for rank in a.progress_seen:
+                p = progress[rank]
+                if p is not None and rank not in a.outcomes:
+                    marker = (p.get("phase"), p.get("global_step"))
+                    if marker != a.progress_seen[rank][0]:
+                        a.progress_seen[rank] = (marker, now)
+            hung = stalled({r: seen for r, (_, seen) in a.progress_seen.items() if r not in a.outcomes}, now,
+                           hang_timeout_s)
+            if hung:
+                message = (f"training hung: no progress from {self.backend.who(hung)} for {hang_timeout_s:g}s "
+                           f"(failure.hang_timeout_s)")
+                return self._attempt_failed(Failure("hang", message, tuple(hung), {message: hung}),
+                                            sorted({a.tasks[r].node_ip for r in hung}))
+            chief = progress[0]
+            if chief is not None:
+                self.epochs.feed(chief.get("epochs", []))
+                if not a.standby_armed and chief.get("global_step", 0) > 0:
+                    self._arm_standby()
+                self.display.update(chief, self._rate.update(chief))
+        elif now - a.training_done_at > hang_timeout_s:  # only side-cars are left
+            for handle in list(a.awaited):
+                task = a.task_of[handle]
+                self.result.evaluations_error = (f"the {task.role} did not finish within {hang_timeout_s:g}s "
+                                                 f"(failure.hang_timeout_s) after training ended")
+                self.display.message(f"raytf: {self.result.evaluations_error}; stopping it")
+                final = (progress[task.rank] or {}).get("evaluations", [])
+                a.outcomes[task.rank] = {"evaluations": final, "history": []}
+                a.awaited.remove(handle)
+            return self._finish()
+
+    def _returned(self, finished: Finished) -> bool:
+        """A task's train call returned; True when that ended the attempt."""
+        a = self.attempt
+        task = a.task_of.pop(finished.handle)
+        awaited = finished.handle in a.awaited
+        (a.awaited if awaited else a.watched).remove(finished.handle)
+        if finished.error is None:
+            a.outcomes[task.rank] = finished.outcome
+            if all(rank in a.outcomes for rank in a.progress_seen):  # side-cars (an evaluator) may go on
+                a.training_done_at = self.clock.now()
+            return False
+        on_failure = self.backend.supervision[task.role].on_failure
+        if on_failure == "record":
+            self.result.evaluations_error = finished.error.described
+            self.display.message(f"raytf: the {task.role} failed ({finished.error.described}); training goes on")
+            return False
+        if on_failure == "replace":
+            loss = {"worker": task.index, "node_ip": task.node_ip, "at": round(self.clock.now(), 3),
+                    "cause": finished.error.described, "replaced": False}
+            self.worker_losses.append(loss)
+            self.display.message(f"raytf: {task.role} {task.index} on {task.node_ip} lost ({loss['cause']}); "
+                                 f"the other {task.role}s go on")
+            if a.replacements.replace(training_done=a.training_done_at is not None):
+                a.replacing.append(_Replacement(a.group, task, a.payload, loss))
+            return False
+        self._fatal(task, finished.error)
+        return True
+
+    def _fatal(self, task: Task, error: TaskError) -> None:
+        """Collect the peers' errors for a moment (often broken collectives, as a consequence), then fail
+        the attempt with the aggregate: root cause first, identical errors grouped by rank."""
+        a = self.attempt
+        errors = [_rank_error(task.rank, error)]
+        deadline = self.clock.now() + peer_grace_s(errors[0].kind, self.limits)
+        pending = list(a.awaited + a.watched)
+        while pending and self.clock.now() < deadline:
+            for finished in a.group.wait(pending, deadline - self.clock.now()):
+                pending.remove(finished.handle)
+                if finished.error is not None:
+                    errors.append(_rank_error(a.task_of[finished.handle].rank, finished.error))
+        failure = failure_lib.aggregate(errors)
+        failure = dataclasses.replace(failure, message=self.backend.failed_task(task) + failure.message)
+        self._attempt_failed(failure, sorted({a.tasks[r].node_ip for r in failure.ranks}) or [task.node_ip])
+
+    def _collect_replacements(self) -> None:
+        a = self.attempt
+        for replacement in [r for r in a.replacing if r.finished]:
+            a.replacing.remove(replacement)
+            if replacement.handle is not None:
+                replacement.loss["replaced"] = True
+                a.task_of[replacement.handle] = replacement.task
+                a.watched.append(replacement.handle)
+            self.display.message(f"raytf: {replacement.task.role} {replacement.task.index} " +
+                                 (f"is back at {replacement.task.address}" if replacement.handle is not None
+                                  else f"could not be brought back ({replacement.error})"))
+
+    def _attempt_failed(self, failure: Failure, nodes: list[str] | None = None) -> None:
+        self._stop_group()
+        self.failure = (failure, nodes or [])
+        self.state = RESTARTING
+
+    def _decide(self) -> None:
+        failure, nodes = self.failure
+        charged = sum(1 for d in self.decisions if d["charged"])
+        decision = self.restart_policy.decide(failure, charged)
+        if decision.action == "raise":
+            self.error = TrainingFailed(f"training failed: {failure.message}"
+                                        + (f" ({decision.reason})" if self.decisions else ""), failure.causes)
+            self.state = FAILED
+            return
+        resumed = self.attempt.payload.resume_from
+        if failure.kind == "checkpoint" and resumed is not None:
+            self.bad_checkpoints.add(resumed.path)
+        now = self.clock.now()
+        self.decisions.append({"at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(now)), "time": round(now, 3),
+                               "kind": failure.kind, "reason": failure.message, "ranks": list(failure.ranks),
+                               "nodes": nodes, "resumed_from_step": None, "charged": decision.charged})
+        self.display.message(f"raytf: attempt failed: {failure.message}; {decision.reason}")
+        self.state = PLACING
+
+    def _finish(self) -> None:
+        a = self.attempt
+        self._stop_group()
+        self._phase("train_s")
+        spec, result = self.spec, self.result
+        chief = a.outcomes[0]
+        if self.decisions:  # when training was back on its feet after the last failure
+            self.decisions[-1]["first_step_at"] = chief.get("first_step_at")
+        self.epochs.feed(chief["history"])  # the epochs that ended after the last poll
+        write_artifacts(self.job.output_dir, chief.pop("artifacts", {}))
+        result.status = "succeeded"
+        result.history = chief["history"]
+        result.variable_devices = chief.get("variable_devices", {})
+        recovered = chief.get("recovered_workers", [])
+        for loss in self.worker_losses:  # the coordinator took the replacement back
+            loss["rejoined"] = any(d.endswith(f"/job:worker/replica:0/task:{loss['worker']}") for d in recovered)
+        evaluator = [a.outcomes.get(t.rank, {}) for t in a.tasks if t.role == "evaluator"]
+        if evaluator:
+            result.evaluations = evaluator[0].get("evaluations", [])
+            _merge_evaluations(result.history, result.evaluations)
+        result.tasks = [dict(rank=t.rank, role=self.backend.role_name(t), index=t.index, node_ip=t.node_ip,
+                             node_id=t.node_id, address=t.address, gpu_ids=list(t.gpu_ids),
+                             cuda_visible_devices=t.cuda_visible_devices,
+                             weights_digest=a.outcomes.get(t.rank, {}).get("weights_digest"),
+                             steps=a.outcomes.get(t.rank, {}).get("steps"),
+                             optimizer_steps=a.outcomes.get(t.rank, {}).get("optimizer_steps"))
+                        for t in a.tasks]
+        if chief.get("first_step_at"):
+            result.time_to_first_step_s = round(chief["first_step_at"] - self.started, 3)
+            train_s = chief["finished_at"] - chief["first_step_at"]
+            steps_after_first = max(chief["steps_run"] - 1, 0)
+            if train_s > 0 and steps_after_first:
+                result.examples_per_s = round(steps_after_first * spec.train.global_batch_size / train_s, 1)
+        model_path = self.job.output_dir / "model.keras"
+        result.model_path = str(model_path) if model_path.exists() else None
+        tb = self.job.output_dir / "tensorboard"
+        result.tensorboard_dir = str(tb) if tb.exists() else None
+        self._write()
+        self.display.message(summary_table(result.history))
+        self.state = DONE
+
+    # ---------------------------------------------------------------- helpers
+
+    def _arm_standby(self) -> None:
+        a = self.attempt
+        a.standby_armed = True
+        if self.backend.supports_standby:
+            self.resources.fill_standby(self.pg, self.env, a.tasks)
+
+    def _stop_group(self) -> None:
+        if self.attempt is not None and self.attempt.group is not None:
+            self.attempt.group.stop()
+            self.attempt.group = None
+
+    def _phase(self, name: str) -> None:
+        now = self.clock.now()
+        self.result.phases[name] = round(now - self._phase_started, 3)
+        self._phase_started = now
+
+    def _write(self) -> None:
+        """result.json; its restarts and worker losses come from the controller's logs."""
+        self.result.wall_s = round(self.clock.now() - self.started, 3)
+        self.result.restarts = [{k: v for k, v in d.items() if k != "charged"} for d in self.decisions]
+        self.result.worker_losses = list(self.worker_losses)
+        self.result.write()
+
+
+def run(job: Job, group_cls: Callable[..., WorkerGroup] | None = None,
+        display: ProgressDisplay | None = None, resume: bool = False,
+        on_epoch: Callable[[dict[str, Any]], None] | None = None, placement_group=None,
+        code_env: dict[str, Any] | None = None, verbose: bool = False,
+        resources: Resources | None = None, clock=WallClock, limits: Limits = Limits()) -> Result:
+    """Attempts until one succeeds or the restart policy gives up: each attempt reserves (or re-uses the
+    held placement group), starts, trains and tears down; a restart resumes from the latest checkpoint.
+
+    `on_epoch(metrics)` is called once per finished epoch. `placement_group`: run in a group someone
+    else reserved (a Ray Tune trial's), one bundle per task from index 0; it is not removed here.
+    `code_env`: the actors' runtime env, already uploaded by `packaging.upload_code` (a sweep uploads the
+    job folder once, from the driver, for all its trials: a trial may run on a node without that folder).
+    `verbose`: Ray's own lines about the upload too. `resources`, `clock`, `limits`: seams for tests
+    (by default Ray's, with `group_cls` for the attempts' actors: a RayWorkerGroup or a subclass)."""
+    spec = job.spec
+    if resources is None:
+        from raytf.ray_group import RayResources, RayWorkerGroup
+
+        standby = spec.failure.standby and spec.failure.max_restarts > 0
+        resources = RayResources(group_cls or RayWorkerGroup, standby_enabled=standby,
+                                 standby_check_s=limits.standby_check_s)
+    env = code_env if code_env is not None else upload_code(runtime_env(job), verbose=verbose)
+    controller = Controller(job, resources, env=env, limits=limits, clock=clock, display=display, resume=resume,
+                            on_epoch=on_epoch, placement_group=placement_group)
+    return controller.run()
+
+
+def _merge_evaluations(history: list[dict[str, Any]], evaluations: list[dict[str, Any]]) -> None:
+    """The evaluator's val_* metrics into the epochs whose end-of-epoch checkpoint it evaluated."""
+    by_epoch = {e["epoch"]: e for e in evaluations if "epoch" in e}
+    for metrics in history:
+        found = by_epoch.get(metrics.get("epoch"))
+        if found:
+            metrics.update({k: v for k, v in found.items() if k.startswith("val_")})
+
+
+def _rank_error(rank: int, error: TaskError) -> failure_lib.RankError:
+    return failure_lib.RankError(rank, failure_lib.classify(error.type_name, error.message,
+                                                            actor_died=error.actor_died), error.described)
+
+
+def _checkpoint_storage(job: Job, resume: bool) -> Storage | None:
+    if job.checkpoint_dir is None:
+        if resume:
+            raise SpecError("--resume: the job has no checkpoint.dir to resume from; set checkpoint.dir")
+        return None
+    storage = Storage(job.checkpoint_dir)
+    latest = storage.latest()
+    if latest is not None and not resume:
+        raise SpecError(f"checkpoint.dir {job.checkpoint_dir} already holds checkpoints (latest at step "
+                        f"{latest.step}); pass --resume to continue from it, or choose another checkpoint.dir")
+    return storage

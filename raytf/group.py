@@ -1,167 +1,62 @@
-"""Start, query and stop the actors of one attempt: one TaskActor per placement-group bundle.
+"""The actors of one attempt, and the cluster resources they run in, as the controller sees them: the
+interfaces it steps over. raytf.ray_group implements them on Ray (one TaskActor per placement-group
+bundle); tests/fakes.py has an in-memory pair. No Ray here, so the controller can be stepped without it.
 
-Every call that waits on actors takes a deadline; a deadline passed is an error that names the ranks
-or bundles that did not answer, never a hang.
+Every call that waits takes a deadline; a deadline passed is an error that names the ranks or bundles
+that did not answer, never a hang.
 """
 from __future__ import annotations
 
-import threading
-import time
-from typing import Any
+import dataclasses
+from typing import TYPE_CHECKING, Any, Protocol
 
-import ray
-from ray.exceptions import RayActorError, RayTaskError
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-from raytf.errors import PortTaken, WorkerStartupError
-from raytf.rendezvous import ActorReport, Task, tf_config
-from raytf.worker import TaskActor
-from raytf.worker_api import WorkerPayload
-
-_RemoteTaskActor = ray.remote(TaskActor)
+if TYPE_CHECKING:
+    from raytf.rendezvous import ActorReport, Task
+    from raytf.worker_api import WorkerPayload
 
 
-def root_cause(exc: BaseException) -> BaseException:
-    """The user's exception inside Ray's wrappers, where there is one."""
-    if isinstance(exc, RayTaskError):
-        cause = exc.as_instanceof_cause()
-        inner = getattr(exc, "cause", None)
-        return inner if isinstance(inner, BaseException) else cause
-    return exc
+@dataclasses.dataclass(frozen=True)
+class TaskError:
+    """Why a task's train call failed, as plain data: the root cause's type and message, whether the
+    actor died, and one line for people."""
+
+    type_name: str
+    message: str
+    actor_died: bool
+    described: str
 
 
-def describe(exc: BaseException) -> str:
-    exc = root_cause(exc)
-    if isinstance(exc, RayActorError):
-        return f"actor died ({str(exc).splitlines()[0][:300]})"
-    line = summary(str(exc))
-    name = type(exc).__name__
-    return line if line.startswith(f"{name}: ") else f"{name}: {line}".strip()
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    """A train call that returned: its outcome, or its error."""
+
+    handle: Any
+    outcome: dict[str, Any] | None = None
+    error: TaskError | None = None
 
 
-_TF_PREAMBLE = ("Graph execution error", "in user code:", "Detected at node", "File ", "[[", "(most recent call last)")
+class WorkerGroup(Protocol):
+    """The actors of one attempt, one per bundle."""
+
+    def start(self, timeout_s: float) -> list["ActorReport"]: ...
+    def setup(self, tasks: "list[Task]", payload: "WorkerPayload", timeout_s: float) -> Any: ...
+    def train(self, payload: "WorkerPayload") -> list[Any]: ...  # one handle per rank
+    def wait(self, handles: list[Any], timeout_s: float) -> list[Finished]: ...  # those done, maybe none
+    def progress(self, timeout_s: float) -> list[dict[str, Any] | None]: ...  # by rank; None: no answer
+    def replace(self, task: "Task", payload: "WorkerPayload", timeout_s: float) -> Any: ...  # a new handle
+    def stop(self) -> None: ...
 
 
-def summary(message: str, limit: int = 300) -> str:
-    """One line of an error message that names the cause: the first line, except where TensorFlow
-    opens with "Graph execution error:" and a traceback, whose cause is the last plain line (before
-    op lines such as `[[IteratorGetNext]]`)."""
-    # A remote TF error carries the gRPC details after the cause; they are not it.
-    message = message.split("\nAdditional GRPC error information")[0]
-    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
-    if not lines:
-        return ""
-    if lines[0].startswith(_TF_PREAMBLE):
-        plain = [line for line in lines if not line.startswith(_TF_PREAMBLE) and not line.endswith(":")]
-        return (plain[-1] if plain else lines[-1])[:limit]
-    return lines[0][:limit]
+class Resources(Protocol):
+    """Placement groups and warm standby processes."""
+
+    def reserve(self, bundles: list[dict[str, float]], strategy: str, timeout_s: float, name: str) -> Any: ...
+    def ready_again(self, pg: Any, timeout_s: float) -> bool: ...
+    def release(self, pg: Any) -> None: ...
+    def new_group(self, pg: Any, bundles: list[dict[str, float]], env: dict[str, Any],
+                  standby: dict[int, Any]) -> WorkerGroup: ...
+    def fill_standby(self, pg: Any, env: dict[str, Any], tasks: "list[Task]") -> None: ...
+    def take_standby(self, pg: Any, count: int) -> dict[int, Any]: ...
+    def release_standby(self) -> None: ...
 
 
-def create_actor(pg, index: int, bundle: dict[str, float], runtime_env: dict[str, Any], port: int = 0):
-    """A TaskActor in bundle `index`; an empty `bundle` makes a warm standby that takes no resources."""
-    return _RemoteTaskActor.options(
-        num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), max_concurrency=2,
-        max_restarts=0, runtime_env=runtime_env,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index),
-    ).remote(index, port)
-
-
-class WorkerGroup:
-    def __init__(self, pg, bundles: list[dict[str, float]], runtime_env: dict[str, Any],
-                 standby: dict[int, tuple[Any, tuple, str | None]] | None = None):
-        """standby: bundle index -> (warm actor, GPU ids, CUDA_VISIBLE_DEVICES) to use instead of a new actor."""
-        self.pg, self.bundles, self.runtime_env = pg, bundles, runtime_env
-        self.standby = dict(standby or {})
-        self.actors: list[Any] = []  # by bundle index
-        self.tasks: list[Task] = []  # by rank
-        self._by_rank: list[Any] = []
-        self._lock = threading.Lock()
-        self._stopped = False
-
-    def start(self, timeout_s: float) -> list[ActorReport]:
-        """Create one actor per bundle and collect what each reports about itself."""
-        reports = []
-        for index in range(len(self.bundles)):
-            if index in self.standby:
-                actor, gpu_ids, visible = self.standby.pop(index)
-                reports.append(actor.adopt.remote(gpu_ids, visible))
-            else:
-                actor = self._create(index)
-                reports.append(actor.report.remote())
-            self.actors.append(actor)
-        return self._get(reports, timeout_s, "report in", [f"bundle {i}" for i in range(len(self.actors))])
-
-    def _create(self, index: int, port: int = 0):
-        return create_actor(self.pg, index, self.bundles[index], self.runtime_env, port)
-
-    def setup(self, tasks: list[Task], payload: WorkerPayload, timeout_s: float) -> list[dict[str, Any]]:
-        self.tasks = tasks
-        self._by_rank = [self.actors[t.bundle_index] for t in tasks]
-        refs = [a.setup.remote(t, tf_config(tasks, t), len(tasks), payload) for a, t in zip(self._by_rank, tasks)]
-        return self._get(refs, timeout_s, "start TensorFlow", [f"rank {t.rank}" for t in tasks])
-
-    def replace(self, task: Task, payload: WorkerPayload, timeout_s: float) -> ray.ObjectRef:
-        """A new actor for a dead task, in its bundle and at its port, set up as the task was; returns its
-        train ref. Fails when the bundle has moved to another node (the address would change)."""
-        with self._lock:  # a replacement racing the end of the attempt must not outlive it
-            if self._stopped:
-                raise WorkerStartupError("the attempt has ended")
-            actor = self._create(task.bundle_index, port=task.port)
-            self.actors[task.bundle_index] = actor  # stop() kills it whatever happens next
-        try:
-            report = self._get([actor.report.remote()], timeout_s, "report in", [f"rank {task.rank}"])[0]
-            if report.node_ip != task.node_ip:
-                raise WorkerStartupError(f"its bundle moved from {task.node_ip} to {report.node_ip}")
-            self._get([actor.setup.remote(task, tf_config(self.tasks, task), len(self.tasks), payload)], timeout_s,
-                      "start TensorFlow", [f"rank {task.rank}"])
-        except Exception:
-            ray.kill(actor, no_restart=True)
-            raise
-        self._by_rank[task.rank] = actor
-        return actor.train.remote(payload)
-
-    def train(self, payload: WorkerPayload) -> list[ray.ObjectRef]:
-        return [a.train.remote(payload) for a in self._by_rank]
-
-    def progress(self, timeout_s: float) -> list[dict[str, Any] | None]:
-        """Each rank's latest progress; None for a rank that did not answer in time."""
-        refs = [a.progress.remote() for a in self._by_rank]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        ready_set = set(ready)
-        out: list[dict[str, Any] | None] = []
-        for ref in refs:
-            try:
-                out.append(ray.get(ref) if ref in ready_set else None)
-            except Exception:
-                out.append(None)
-        return out
-
-    def stop(self) -> None:
-        with self._lock:
-            self._stopped = True
-            actors, self.actors, self._by_rank = self.actors, [], []
-        for actor in actors:
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # already dead
-                pass
-
-    @staticmethod
-    def _get(refs: list, timeout_s: float, what: str, names: list[str]) -> list:
-        """All results, in order; the first error ends the wait (peers may be blocked on the failed one)."""
-        deadline = time.monotonic() + timeout_s
-        name_of = dict(zip(refs, names))
-        pending = list(refs)
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            if not done:
-                raise WorkerStartupError(f"workers failed to {what}: {', '.join(name_of[r] for r in pending)} "
-                                         f"did not answer within {timeout_s:g}s")
-            try:
-                ray.get(done[0])
-            except Exception as exc:
-                cause = root_cause(exc)
-                if isinstance(cause, PortTaken):
-                    raise cause from None
-                raise WorkerStartupError(f"workers failed to {what}: {name_of[done[0]]}: {describe(exc)}") from None
-        return ray.get(refs)

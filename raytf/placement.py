@@ -4,35 +4,25 @@ from __future__ import annotations
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
+from raytf import backends
+from raytf.backends.base import worker_bundle
 from raytf.errors import PlacementTimeout
 from raytf.spec import ClusterSpec, JobSpec
 
 
 def worker_bundles(cluster: ClusterSpec) -> list[dict[str, float]]:
-    """One bundle per worker. Zero-valued resources are left out: Ray rejects empty ones."""
-    bundle = {"CPU": cluster.cpus_per_worker, "GPU": cluster.gpus_per_worker}
-    bundle = {k: v for k, v in bundle.items() if v > 0}
-    bundle = bundle or {"CPU": 0.001}  # Ray refuses empty bundles
-    return [dict(bundle) for _ in range(cluster.workers)]
+    """One bundle per worker."""
+    return [worker_bundle(cluster) for _ in range(cluster.workers)]
 
 
 def bundle_roles(spec: JobSpec) -> list[str]:
-    """The TF role of each bundle, in bundle order: all workers under mirrored; under parameter_server the
-    chief first, then the ps tasks, the workers and the evaluator (pure; the rendezvous relies on it)."""
-    cluster = spec.cluster
-    if spec.strategy != "parameter_server":
-        return ["worker"] * cluster.workers
-    return ["chief"] + ["ps"] * cluster.ps + ["worker"] * cluster.workers + (["evaluator"] if cluster.evaluator else [])
+    """The TF role of each bundle, in bundle order, as the job's strategy backend lays them out."""
+    return backends.get(spec.strategy).roles(spec)
 
 
 def job_bundles(spec: JobSpec) -> list[dict[str, float]]:
-    """One bundle per TF task, in bundle_roles order. The chief and ps tasks take CPUs only; workers and
-    the evaluator take what a worker takes."""
-    cluster = spec.cluster
-    worker = worker_bundles(cluster.model_copy(update={"workers": 1}))[0]
-    cpus = {"chief": cluster.cpus_per_chief, "ps": cluster.cpus_per_ps}
-    return [dict(worker) if role in ("worker", "evaluator") else {"CPU": cpus[role] or 0.001}
-            for role in bundle_roles(spec)]
+    """One bundle per TF task, in bundle_roles order."""
+    return backends.get(spec.strategy).bundles(spec)
 
 
 def total(bundles: list[dict[str, float]]) -> dict[str, float]:

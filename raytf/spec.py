@@ -104,9 +104,6 @@ class ClusterSpec(_Strict):
         return self.workers * self.replicas_per_worker
 
 
-PS_KEYS = ("ps", "cpus_per_ps", "cpus_per_chief", "evaluator", "variable_partitioner")
-
-
 class PartitionerSpec(_Strict):
     """How variables are split over the ps tasks (TF's variable_partitioner). min_size: shards of at least
     min_shard_bytes, at most one per ps task (small variables stay whole); fixed: `shards` shards each."""
@@ -194,15 +191,8 @@ class JobSpec(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> "JobSpec":
-        if self.strategy == "parameter_server":
-            self._parameter_server_rules()
-        else:
-            # compared with the defaults, not "was it given": a spec dumped and parsed again (a sweep's
-            # trials) carries every key
-            given = [k for k in PS_KEYS if getattr(self.cluster, k) != ClusterSpec.model_fields[k].default]
-            if given:
-                raise ValueError(f"cluster.{given[0]} is for strategy: parameter_server; remove it, or set "
-                                 f"strategy: parameter_server")
+        from raytf import backends
+
         if self.train_fn is None:
             if self.model is None:
                 raise ValueError("model: missing; name the function that builds the model, e.g. model: digits:build_model")
@@ -222,48 +212,8 @@ class JobSpec(_Strict):
         if elastic is not None and elastic.min_workers > self.cluster.workers:
             raise ValueError(f"failure.elastic.min_workers {elastic.min_workers} is more than cluster.workers "
                              f"{self.cluster.workers}; use at most {self.cluster.workers}")
-        replicas = self.cluster.replicas_per_worker if self.strategy == "parameter_server" else self.cluster.replicas
-        batch = self.train.global_batch_size
-        if batch % replicas and self.strategy == "parameter_server":
-            raise ValueError(f"train.global_batch_size {batch} (the batch of one step, run by one worker) is not "
-                             f"divisible by the {replicas} GPUs of a worker; use {_nearest_multiples(batch, replicas)}")
-        if batch % replicas:
-            raise ValueError(f"train.global_batch_size {batch} is not divisible by {replicas} replicas "
-                             f"({self.cluster.workers} workers x {self.cluster.replicas_per_worker}); "
-                             f"use {_nearest_multiples(batch, replicas)}")
+        backends.get(self.strategy).check(self)  # the strategy's own rules, batch divisibility among them
         return self
-
-
-    def _parameter_server_rules(self) -> None:
-        """What raytf's parameter-server loop supports; each refusal names the key and the way out."""
-        if self.cluster.ps < 1:
-            raise ValueError(f"cluster.ps: {self.cluster.ps} under strategy parameter_server; the variables need "
-                             f"at least one ps task: set cluster.ps: 1 or more")
-        refused = [
-            (self.train_fn is not None, "train_fn", "use model + data (raytf's loop)"),
-            (self.dataset_fn is not None, "dataset_fn", "use data (Parquet)"),
-            (self.train.precision != "float32", f"train.precision {self.train.precision}", "use float32"),
-            (self.train.jit_compile, "train.jit_compile", "set it to false"),
-            (self.failure.elastic is not None, "failure.elastic",
-             "remove it: a parameter-server job already goes on when workers die"),
-            (self.data is not None and self.data.remainder == "pad", "data.remainder: pad",
-             "use remainder: drop (each worker streams its shard endlessly)"),
-            (self.cluster.gpu_placement == "per_node", "cluster.gpu_placement: per_node",
-             "use per_gpu or set gpus_per_worker (per_node would put the chief and every ps task on a node of its own)"),
-        ]
-        for bad, what, fix in refused:
-            if bad:
-                raise ValueError(f"{what} is not supported with strategy: parameter_server; {fix}")
-        if self.cluster.evaluator and (self.checkpoint.dir is None or self.data is None
-                                       or self.data.validation is None):
-            raise ValueError("cluster.evaluator: the evaluator evaluates the chief's checkpoints on the validation "
-                             "data; set checkpoint.dir and data.validation, or evaluator: false")
-
-
-def _nearest_multiples(value: int, divisor: int) -> str:
-    below = value - value % divisor
-    above = below + divisor
-    return f"{below} or {above}" if below > 0 else str(above)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -282,10 +282,10 @@ def reported_metrics(spec: JobSpec) -> list[str] | None:
     """The metrics raytf's loop reports each epoch; None when a train_fn reports its own."""
     if spec.train_fn is not None:
         return None
+    from raytf import backends
+
     names = ["loss", *spec.metrics]
-    # A parameter-server evaluator's val_* arrive after the epochs they belong to: not reported per epoch.
-    evaluator = spec.strategy == "parameter_server" and spec.cluster.evaluator
-    if spec.data is not None and spec.data.validation is not None and not evaluator:
+    if backends.get(spec.strategy).validation_each_epoch(spec):
         names += [f"val_{n}" for n in names]
     return names
 
@@ -309,26 +309,26 @@ def _take(free: dict[str, float], need: Mapping[str, float]) -> None:
         free[k] = free.get(k, 0.0) - v
 
 
-def place(nodes: list[dict[str, float]], bundles: list[dict[str, float]], strategy: str) -> bool:
+def place(nodes: list[dict[str, float]], bundles: list[dict[str, float]], placement: str) -> bool:
     """Place one trial's bundles on the nodes' free resources (mutated only on success), the way Ray's
     placement strategies allow: PACK prefers one node, SPREAD prefers distinct nodes, STRICT_* insist."""
-    strategy = strategy.upper()
+    placement = placement.upper()
     total: dict[str, float] = {}
     for b in bundles:
         for k, v in b.items():
             total[k] = total.get(k, 0.0) + v
-    if strategy in ("PACK", "STRICT_PACK"):
+    if placement in ("PACK", "STRICT_PACK"):
         for node in nodes:
             if _fits(node, total):
                 _take(node, total)
                 return True
-        if strategy == "STRICT_PACK":
+        if placement == "STRICT_PACK":
             return False
     trial = [dict(n) for n in nodes]
     used: set[int] = set()
     for bundle in bundles:
         order = [i for i in range(len(trial)) if i not in used]
-        if strategy != "STRICT_SPREAD":
+        if placement != "STRICT_SPREAD":
             order += sorted(used)
         spot = next((i for i in order if _fits(trial[i], bundle)), None)
         if spot is None:

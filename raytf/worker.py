@@ -36,8 +36,8 @@ class TaskActor:
         self._ctx: TaskContext | None = None
         self._task: Task | None = None
         self._adopted_gpus: tuple[str, ...] | None = None
-        self._strategy = None
-        self._server = None  # a parameter-server job's ps or worker: TF's server, alive as long as the actor
+        self._backend = None  # the strategy's actor half (raytf.strategies.<name>), imported in setup
+        self._started = None  # what it started: the strategy, or a parameter-server task's TF server
         self._staging = tempfile.mkdtemp(prefix="raytf-task-")
         # Import TensorFlow while the rendezvous goes on (seconds of CPU; reading TF_CONFIG and starting
         # the server happen later, in setup). setup waits for this import through Python's import lock.
@@ -66,74 +66,43 @@ class TaskActor:
             self._held = None
 
     def setup(self, task: Task, tf_config: str, world_size: int, payload: WorkerPayload) -> dict[str, Any]:
-        """Set TF_CONFIG, then bring up TensorFlow's server and the strategy. A port lost to another
-        process surfaces as PortTaken, which the controller answers with a fresh rendezvous."""
+        """Set TF_CONFIG, then let the strategy's actor half bring up its part (a server, the strategy).
+        A port lost to another process surfaces as PortTaken, which the controller answers with a fresh
+        rendezvous."""
+        from raytf import backends
         from raytf.errors import PortTaken
 
         self._task = task
         os.environ["TF_CONFIG"] = tf_config  # an evaluator's names the cluster it is not part of, as TF's do
         self._ctx = TaskContext(task.rank, world_size, payload.spec, self._staging, payload)
-        if task.role == "worker" and payload.spec.strategy == "parameter_server":
-            self._write_records(task, payload)  # before the server is up: the chief reads them at once
         self._tf_import.join()
         import tensorflow as tf
 
-        # Size TF's thread pools to the CPUs this actor reserved (as Ray does for OMP_NUM_THREADS):
-        # several workers on one node otherwise each spawn a pool per core and fight over them.
         if payload.spec.cluster.gpu_memory_growth:  # before any GPU is initialised
             for gpu in tf.config.list_physical_devices("GPU"):
                 tf.config.experimental.set_memory_growth(gpu, True)
+        # Size TF's thread pools to the CPUs this actor reserved (as Ray does for OMP_NUM_THREADS):
+        # several workers on one node otherwise each spawn a pool per core and fight over them.
         cluster = payload.spec.cluster
         cpus = {"ps": cluster.cpus_per_ps, "chief": cluster.cpus_per_chief}.get(task.role, cluster.cpus_per_worker)
         if cpus >= 1:
             tf.config.threading.set_intra_op_parallelism_threads(int(cpus))
             tf.config.threading.set_inter_op_parallelism_threads(max(2, int(cpus)))
-        if task.role in ("chief", "evaluator"):  # no server of their own: the chief's strategy connects in train
-            self.release_port()
-            return {"rank": task.rank, "role": task.role}
+        self._backend = importlib.import_module(backends.get(payload.spec.strategy).actor_module)
+        self._backend.prepare(task, payload, self._ctx)  # before any server is up: peers may read at once
         self.release_port()
         try:
-            if payload.spec.strategy == "parameter_server":
-                resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
-                self._server = tf.distribute.Server(resolver.cluster_spec(), job_name=task.role,
-                                                    task_index=task.index, protocol="grpc", start=True)
-                return {"rank": task.rank, "role": task.role}
-            self._strategy = tf.distribute.MultiWorkerMirroredStrategy()
+            self._started = self._backend.start(task, payload, self._ctx)
         except tf.errors.UnknownError as exc:
             if "Could not start gRPC server" in str(exc):
                 raise PortTaken(f"rank {task.rank}: port {task.port} on {task.node_ip} was taken before "
                                 f"TensorFlow could bind it") from None
             raise
-        return {"rank": task.rank, "replicas": self._strategy.num_replicas_in_sync}
-
-    def _write_records(self, task: Task, payload: WorkerPayload) -> None:
-        """This worker's shard of the training data as local TFRecords (see raytf.data), and the staging
-        folder as the working directory: the pipeline the chief builds reads them by a relative path."""
-        from raytf import data
-
-        self._ctx.phase("converting data")
-        info = payload.train_data
-        shard = data.plan_shards([p.num_rows for p in info.pieces], payload.spec.cluster.workers)[task.index]
-        try:
-            data.write_records(info, payload.train_root, shard, os.path.join(self._staging, data.RECORDS_DIR, "train"))
-        except ValueError as exc:
-            raise ValueError(f"worker {task.index}: {exc}") from None
-        os.chdir(self._staging)
+        return {"rank": task.rank, "role": task.role}
 
     def train(self, payload: WorkerPayload) -> dict[str, Any]:
         started = time.time()
-        if payload.spec.strategy == "parameter_server":
-            if self._server is not None:  # ps and workers serve the chief until the controller stops them
-                self._ctx.phase("serving")
-                threading.Event().wait()
-            from raytf.strategies import parameter_server
-
-            run = parameter_server.run_chief if self._task.role == "chief" else parameter_server.run_evaluator
-            outcome = run(payload, self._ctx)
-        else:
-            from raytf.strategies import mirrored
-
-            outcome = mirrored.run(self._strategy, payload, self._ctx)
+        outcome = self._backend.train(self._started, self._task, payload, self._ctx)
         outcome.update(rank=self._ctx.rank, started_at=started, finished_at=time.time(),
                        first_step_at=self._ctx.first_step_at)
         if self._ctx.is_chief:

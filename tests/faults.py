@@ -7,7 +7,7 @@ import time
 
 import ray
 
-from raytf.group import WorkerGroup
+from raytf.ray_group import RayWorkerGroup
 
 
 class Killer:
@@ -24,7 +24,7 @@ class Killer:
         self.attempt = 0
         killer = self
 
-        class KillingGroup(WorkerGroup):
+        class KillingGroup(RayWorkerGroup):
             def train(self, payload):
                 refs = super().train(payload)
                 killer.attempt += 1
@@ -34,7 +34,7 @@ class Killer:
 
         self.group_cls = KillingGroup
 
-    def _watch(self, group: WorkerGroup, attempt: int) -> None:
+    def _watch(self, group: RayWorkerGroup, attempt: int) -> None:
         actor, watched = group._by_rank[self.rank], group._by_rank[self.watch]
         deadline = time.time() + 120
         while time.time() < deadline:

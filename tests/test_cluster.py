@@ -14,7 +14,7 @@ import ray
 import raytf
 from raytf import controller
 from raytf.errors import PlacementTimeout, TrainingFailed
-from raytf.group import WorkerGroup
+from raytf.ray_group import RayWorkerGroup
 from raytf.spec import load
 from tests.conftest import REPO, assert_nothing_left, base_spec, write_job
 
@@ -109,7 +109,7 @@ def test_per_node_gpus_mixed_bfloat16_and_xla(cluster, job_dir):
     assert_nothing_left()
 
 
-class PortThiefGroup(WorkerGroup):
+class PortThiefGroup(RayWorkerGroup):
     """Steals rank 1's port between the rendezvous and TensorFlow's bind, once."""
 
     stolen: list = []

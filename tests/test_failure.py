@@ -42,7 +42,7 @@ def test_elastic_sizes_keep_the_global_batch_divisible():
 
 
 def test_error_summaries_keep_the_line_that_names_the_cause():
-    from raytf.group import summary
+    from raytf.ray_group import summary
 
     assert summary("FileNotFoundError: no such file\n\t [[{{node IteratorGetNext}}]]") == \
         "FileNotFoundError: no such file"

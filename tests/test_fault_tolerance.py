@@ -49,6 +49,12 @@ def test_a_killed_worker_costs_one_restart_and_the_run_ends_where_it_would_have(
     assert len(result.history) == 4 and [h["epoch"] for h in result.history] == [1, 2, 3, 4]
     final, expected = result.history[-1]["loss"], baseline.history[-1]["loss"]
     assert abs(final - expected) <= 0.1 * expected + 0.01, (final, expected)
+    # The epoch the kill interrupted reports over all its rows, not just those after the resume: its
+    # metric sums so far were saved in the mid-epoch checkpoint.
+    assert [h["examples"] for h in result.history] == [STEPS_PER_EPOCH * 16] * 4
+    for resumed, uninterrupted in zip(result.history, baseline.history):
+        assert resumed["loss"] == pytest.approx(uninterrupted["loss"], rel=0.05, abs=0.01)
+        assert resumed["accuracy"] == pytest.approx(uninterrupted["accuracy"], abs=0.02)
     saved = json.loads((job_dir / "runs" / "t" / "result.json").read_text())
     assert saved["restarts"][0]["resumed_from_step"] == restart["resumed_from_step"]
     assert len(Storage(str(job_dir / "ckpt")).list()) == 2  # checkpoint.keep

@@ -106,6 +106,21 @@ def test_one_ps_two_workers_train_with_the_variables_on_the_ps(cluster, ps_dir, 
     assert_nothing_left()
 
 
+@pytest.mark.parametrize("precision", ["mixed_bfloat16", "mixed_float16"])
+def test_parameter_servers_train_in_mixed_precision(cluster, ps_dir, criteo_data, precision):
+    """The same loop as under mirrored: 16-bit compute with float32 variables on the ps task (float16
+    with loss scaling). (train.jit_compile is a spec error: XLA cannot reach variables on the ps tasks.)"""
+    result = run(load(write_job(ps_dir, ps_spec(criteo_data, train={"epochs": 2, "precision": precision}))))
+    assert result.status == "succeeded"
+    losses = [h["loss"] for h in result.history]
+    assert all(loss == loss for loss in losses) and losses[-1] < losses[0], losses  # finite, and going down
+    assert [h["examples"] for h in result.history] == [STEPS_PER_EPOCH * BATCH] * 2
+    model = keras.models.load_model(result.model_path)
+    assert all(w.dtype == "float32" for w in model.get_weights())
+    assert model.layers[-1].dtype_policy.name == precision
+    assert_nothing_left()
+
+
 def test_two_ps_split_the_table_and_the_evaluator_reports_each_epoch(cluster, ps_dir, criteo_data):
     spec = ps_spec(criteo_data, train={"epochs": 2},
                    cluster={"ps": 2, "evaluator": True, "cpus_per_worker": 0.25},

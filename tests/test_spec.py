@@ -77,7 +77,9 @@ def test_parameter_server_specs_are_checked():
     assert "the evaluator evaluates the chief's checkpoints" in error_of(ps(cluster={"ps": 1, "evaluator": True}))
     assert "train_fn is not supported with strategy: parameter_server" in error_of(
         ps(model=None, data=None, train_fn="tmodel:train"))
-    assert "train.precision mixed_float16 is not supported" in error_of(ps(train={"precision": "mixed_float16"}))
+    assert parse(ps(train={"precision": "mixed_float16"}))  # one loop: both strategies
+    assert "XLA cannot compile a step whose variables live on the ps tasks" in error_of(ps(train={"jit_compile": True}))
+    assert "ClusterCoordinator sends each step to whichever worker is free" in error_of(ps(data={"remainder": "pad"}))
     assert "failure.elastic is not supported" in error_of(ps(failure={"elastic": {"min_workers": 1}}))
     assert "cluster.gpu_placement: per_node is not supported" in error_of(
         ps(cluster={"ps": 1, "gpu_placement": "per_node", "gpus_per_worker": 2}))

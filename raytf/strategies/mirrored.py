@@ -1,4 +1,5 @@
-"""raytf's training loop under MultiWorkerMirroredStrategy (Keras 3 `model.fit` fails under it on TF 2.21).
+"""The actor's half of the mirrored backend: raytf's loop (raytf.strategies.loop) under
+MultiWorkerMirroredStrategy (Keras 3 `model.fit` fails under it on TF 2.21), and `train_fn` loops.
 
 Runs inside every worker actor, after TF_CONFIG is set and the strategy is built. All workers execute
 the same number of steps per epoch (planned from Parquet metadata, or train.steps_per_epoch), which is
@@ -8,99 +9,130 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
-import tempfile
-import time
-from typing import Any
+from typing import Any, Iterator
 
-import tensorflow as tf
 import keras
+import numpy as np
+import tensorflow as tf
 
 from raytf import data
-from raytf.checkpoint import Storage
-from raytf.errors import CheckpointCorrupt
+from raytf.strategies import loop
 from raytf.strategies import steps as steps_lib
 from raytf.worker_api import TaskContext, WorkerPayload
 
 
+# ---------------------------------------------------------------- the actor's half of the backend
+
+
+def prepare(task, payload: WorkerPayload, ctx: TaskContext) -> None:
+    """Nothing to do before TensorFlow's server starts: every worker reads its own Parquet shard."""
+
+
+def start(task, payload: WorkerPayload, ctx: TaskContext) -> tf.distribute.Strategy:
+    """The strategy (it starts this task's gRPC server, on the port in TF_CONFIG)."""
+    return tf.distribute.MultiWorkerMirroredStrategy()
+
+
+def train(strategy: tf.distribute.Strategy, task, payload: WorkerPayload, ctx: TaskContext) -> dict[str, Any]:
+    return run(strategy, payload, ctx)
+
+
 def run(strategy: tf.distribute.Strategy, payload: WorkerPayload, ctx: TaskContext) -> dict[str, Any]:
-    spec = payload.spec
-    if spec.train_fn is not None:
+    if payload.spec.train_fn is not None:
         return _run_user_loop(strategy, payload, ctx)
+    return loop.run(MirroredRunner(strategy, payload, ctx), payload, ctx)
 
-    keras.utils.set_random_seed(spec.train.seed)
-    replicas = strategy.num_replicas_in_sync
-    local_replicas = len(strategy.extended.worker_devices)
-    global_batch = spec.train.global_batch_size
-    if global_batch % replicas:
-        raise ValueError(f"train.global_batch_size {global_batch} is not divisible by the {replicas} replicas "
-                         f"TensorFlow found ({local_replicas} per worker)")
-    per_replica = global_batch // replicas
 
-    model_fn = payload.function("model")
-    keras.mixed_precision.set_global_policy(spec.train.precision)
-    with strategy.scope():
-        model = model_fn()
-        if not isinstance(model, keras.Model):
-            raise TypeError(f"model: {spec.model} returned {type(model).__name__}, not a keras.Model")
-        optimizer = steps_lib.build_optimizer(spec)
-        optimizer.build(model.trainable_variables)  # slots exist before a restore fills them
-    checkpoints = Checkpointer(model, optimizer, payload, ctx)
-    position = checkpoints.restore()  # (epoch, step in epoch, global step, history) to start from
-    loss_fn = steps_lib.build_loss(spec)
-    train_acc = steps_lib.Accumulator(steps_lib.build_metrics(spec))
-    eval_acc = steps_lib.Accumulator(steps_lib.build_metrics(spec))
-    fns = steps_lib.make_step_functions(strategy, model, optimizer, loss_fn, train_acc, eval_acc, global_batch,
-                                        jit_compile=spec.train.jit_compile)
+class MirroredRunner:
+    """raytf's loop under MultiWorkerMirroredStrategy: each step is a `strategy.run` on every worker (its
+    gradient all-reduce the step's only collective); metric deltas add up in a per-worker accumulator,
+    all-reduced when the loop asks for the epoch's sums (at its end, and at a mid-epoch checkpoint)."""
 
-    plan = _Plan(payload, ctx.world_size, global_batch, per_replica, local_replicas)
-    writer = steps_lib.summary_writer(ctx) if ctx.is_chief and spec.output.tensorboard else None
+    def __init__(self, strategy: tf.distribute.Strategy, payload: WorkerPayload, ctx: TaskContext):
+        spec = payload.spec
+        self.strategy, self.payload, self.ctx = strategy, payload, ctx
+        keras.utils.set_random_seed(spec.train.seed)
+        replicas = strategy.num_replicas_in_sync
+        local_replicas = len(strategy.extended.worker_devices)
+        global_batch = spec.train.global_batch_size
+        if global_batch % replicas:
+            raise ValueError(f"train.global_batch_size {global_batch} is not divisible by the {replicas} replicas "
+                             f"TensorFlow found ({local_replicas} per worker)")
+        self.replicas = replicas
+        self.model, self.optimizer, _ = steps_lib.build_model(payload, strategy)
+        self.state = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer)
+        loss_fn = steps_lib.build_loss(spec)
+        self.train_acc = steps_lib.Accumulator(steps_lib.build_metrics(spec))
+        self.eval_acc = steps_lib.Accumulator(steps_lib.build_metrics(spec))
+        self.fns = steps_lib.make_step_functions(strategy, self.model, self.optimizer, loss_fn, self.train_acc,
+                                                 self.eval_acc, global_batch, jit_compile=spec.train.jit_compile)
+        self.plan = _Plan(payload, ctx.world_size, global_batch, global_batch // replicas, local_replicas)
+        self.steps = self.plan.steps
+        self.validates = bool(self.plan.val_steps)
+        self._iterator = None
+        self._val_iterator = None
 
-    # One iterator for all epochs (building a distributed pipeline costs ~0.1 s; an epoch of a small
-    # job may be shorter than that).
-    if spec.dataset_fn is not None:
-        iterator = iter(strategy.distribute_datasets_from_function(payload.function("dataset_fn")))
-    else:
-        iterator = iter(strategy.distribute_datasets_from_function(
-            plan.train_input(spec.train.seed, first_epoch=position.epoch, skip_batches=position.step_in_epoch)))
-    val_iterator = iter(strategy.distribute_datasets_from_function(plan.val_input())) if plan.val_steps else None
+    def _iterators(self, epoch: int) -> None:
+        """One iterator for all epochs, built when the first epoch starts (a resume's epoch, less the
+        batches of it already trained: the rest of the epoch's data comes in the same order). Building a
+        distributed pipeline costs ~0.1 s; an epoch of a small job may be shorter than that."""
+        spec, position = self.payload.spec, self.payload.resume_from
+        if spec.dataset_fn is not None:
+            self._iterator = iter(self.strategy.distribute_datasets_from_function(self.payload.function("dataset_fn")))
+        else:
+            skip = position.step_in_epoch if position is not None and position.epoch == epoch else 0
+            self._iterator = iter(self.strategy.distribute_datasets_from_function(
+                self.plan.train_input(spec.train.seed, first_epoch=epoch, skip_batches=skip)))
+        if self.plan.val_steps:
+            self._val_iterator = iter(self.strategy.distribute_datasets_from_function(self.plan.val_input()))
 
-    history = list(position.history)
-    global_step = position.global_step
-    every_kind, every = spec.checkpoint.interval
-    for epoch in range(position.epoch, spec.train.epochs + 1):
-        started = time.time()
-        train_acc.total.assign(tf.zeros_like(train_acc.total))
-        first_step = position.step_in_epoch + 1 if epoch == position.epoch else 1
-        for step in range(first_step, plan.steps + 1):
+    def start_epoch(self, epoch: int, totals: np.ndarray | None) -> None:
+        if self._iterator is None:
+            self._iterators(epoch)
+        # A resumed epoch's sums so far are global: one worker carries them, so the all-reduce counts them once.
+        start = totals if totals is not None and self.ctx.is_chief else np.zeros(sum(self.train_acc.sizes))
+        self.train_acc.total.assign(tf.constant(start, tf.float64))
+
+    def train(self, count: int, epoch: int) -> Iterator[Any]:
+        for _ in range(count):
             try:
-                loss = fns.train(iterator)
+                yield self.fns.train(self._iterator)
             except tf.errors.OutOfRangeError:
-                raise ValueError(f"dataset_fn's dataset ended after {step - 1} steps of epoch {epoch}; "
-                                 f"make it longer (e.g. .repeat()) or lower train.steps_per_epoch") from None
-            global_step += 1
-            ctx.step(epoch, step, plan.steps, global_step, loss, global_batch)
-            if every_kind == "steps" and global_step % every == 0 and step < plan.steps:
-                fns.sync_state()
-                checkpoints.save(global_step, epoch, step, history)
-        fns.sync_state()  # before validation: every worker evaluates, and ends with, the same model
-        metrics = train_acc.results(fns.global_sum(train_acc.total.read_value()).numpy())
-        val = None
-        if plan.val_steps:
-            ctx.phase("validating")
-            eval_acc.total.assign(tf.zeros_like(eval_acc.total))
-            for _ in range(plan.val_steps):
-                fns.evaluate(val_iterator)
-            val = eval_acc.results(fns.global_sum(eval_acc.total.read_value()).numpy())
-        steps_lib.end_epoch(ctx, writer, history, metrics, val, epoch, started, global_step)
-        if steps_lib.checkpoint_due(spec.checkpoint.interval, global_step, epoch):
-            checkpoints.save(global_step, epoch + 1, 0, history)
+                raise ValueError(f"dataset_fn's dataset ended during epoch {epoch}; make it longer (e.g. .repeat()) "
+                                 f"or lower train.steps_per_epoch") from None
 
-    if ctx.is_chief:
-        model.save(os.path.join(ctx.staging_dir, "model.keras"))
-    return {"history": history, "weights_digest": steps_lib.weights_digest(model), "steps": global_step,
-            "steps_run": global_step - position.global_step, "replicas": replicas,
-            "optimizer_steps": int(optimizer.iterations.numpy())}
+    def epoch_totals(self) -> np.ndarray:
+        return self.fns.global_sum(self.train_acc.total.read_value()).numpy()
+
+    def epoch_notes(self) -> dict[str, Any]:
+        return {}
+
+    def sync_state(self) -> None:
+        self.fns.sync_state()
+
+    def validate(self) -> np.ndarray:
+        self.eval_acc.total.assign(tf.zeros_like(self.eval_acc.total))
+        for _ in range(self.plan.val_steps):
+            self.fns.evaluate(self._val_iterator)
+        return self.fns.global_sum(self.eval_acc.total.read_value()).numpy()
+
+    def checkpoint_options(self):
+        return None
+
+    def checkpoint_extras(self, local_dir: str) -> dict[str, Any]:
+        return {}
+
+    def check_restorable(self, meta: dict[str, Any], path: str) -> None:
+        pass
+
+    def final_checkpoint_needed(self) -> bool:
+        return False
+
+    def finish(self) -> dict[str, Any]:
+        if self.ctx.is_chief:
+            self.model.save(os.path.join(self.ctx.staging_dir, "model.keras"))
+        return {"weights_digest": steps_lib.weights_digest(self.model), "replicas": self.replicas,
+                "optimizer_steps": int(self.optimizer.iterations.numpy())}
 
 
 class _Plan:
@@ -153,48 +185,6 @@ class _Plan:
                                      self.val_steps * self.local_replicas, repeat=True)
 
         return dataset_fn
-
-
-class Checkpointer:
-    """Model + optimizer state (with its step counter) through tf.train.Checkpoint. Every worker writes
-    (a MultiWorkerMirrored save may run collectives), each to its own temporary folder; the chief
-    uploads its copy with the position and history, then prunes to checkpoint.keep."""
-
-    def __init__(self, model, optimizer, payload: WorkerPayload, ctx: TaskContext):
-        self.ckpt = tf.train.Checkpoint(model=model, optimizer=optimizer)
-        self.payload, self.ctx = payload, ctx
-        self.storage = Storage(payload.checkpoint_dir) if payload.checkpoint_dir else None
-
-    def restore(self) -> steps_lib.Position:
-        resume = self.payload.resume_from
-        if resume is None:
-            return steps_lib.Position()
-        self.ctx.phase("restoring")
-        local = tempfile.mkdtemp(prefix="raytf-restore-")
-        try:
-            Storage(self.payload.checkpoint_dir).download(resume, local)
-            self.ckpt.read(os.path.join(local, "state")).assert_existing_objects_matched()
-        except Exception as exc:
-            raise CheckpointCorrupt(resume.path, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}") from None
-        finally:
-            shutil.rmtree(local, ignore_errors=True)
-        return steps_lib.Position(resume.epoch, resume.step_in_epoch, resume.step, resume.history)
-
-    def save(self, global_step: int, epoch: int, step_in_epoch: int, history: list) -> None:
-        if self.storage is None:
-            return
-        self.ctx.phase("checkpointing")
-        local = tempfile.mkdtemp(prefix="raytf-ckpt-")
-        try:
-            self.ckpt.write(os.path.join(local, "state"))
-            if self.ctx.is_chief:
-                self.storage.upload(local, {"step": global_step, "epoch": epoch, "step_in_epoch": step_in_epoch,
-                                            "history": history, "world_size": self.ctx.world_size,
-                                            "saved_at": time.time()})
-                self.storage.prune(self.payload.spec.checkpoint.keep)
-        finally:
-            shutil.rmtree(local, ignore_errors=True)
-        self.ctx.phase("train")
 
 
 def _run_user_loop(strategy, payload: WorkerPayload, ctx: TaskContext) -> dict[str, Any]:

@@ -15,14 +15,14 @@ task), checkpoints hold the raw TF variables, and the saved model is a plain cop
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import math
 import os
 import shutil
 import tempfile
+import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import tensorflow as tf
@@ -31,9 +31,9 @@ from tensorflow.python.distribute.coordinator.cluster_coordinator import PSUnava
 from tensorflow.python.distribute.sharded_variable import ShardedVariable
 
 from raytf import data
-from raytf.checkpoint import META, CheckpointInfo, Storage
-from raytf.errors import CheckpointCorrupt
+from raytf.checkpoint import CheckpointInfo, Storage
 from raytf.spec import JobSpec, PartitionerSpec
+from raytf.strategies import loop
 from raytf.strategies import steps as steps_lib
 from raytf.worker_api import TaskContext, WorkerPayload
 
@@ -111,106 +111,167 @@ def _watch_recoveries() -> _RecoveryLog:
     return log
 
 
-def run_chief(payload: WorkerPayload, ctx: TaskContext) -> dict[str, Any]:
-    spec = payload.spec
-    keras.utils.set_random_seed(spec.train.seed)
-    recoveries = _watch_recoveries()
-    strategy = tf.distribute.ParameterServerStrategy(
-        tf.distribute.cluster_resolver.TFConfigClusterResolver(), variable_partitioner=partitioner(spec))
-    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-    global_batch = spec.train.global_batch_size
-    model_fn = payload.function("model")
-    with strategy.scope():
-        model = model_fn()
-        if not isinstance(model, keras.Model):
-            raise TypeError(f"model: {spec.model} returned {type(model).__name__}, not a keras.Model")
-        optimizer = steps_lib.build_optimizer(spec)
-        targets = shard_targets(model)
-        optimizer.build(targets)
-    state = tf.train.Checkpoint(weights=tf_variables(model.weights), optimizer=tf_variables(optimizer.variables))
-    checkpoints = _Checkpoints(state, model, payload, ctx)
-    position = checkpoints.restore()
-    loss_fn = steps_lib.build_loss(spec)
-    train_acc = steps_lib.Accumulator(steps_lib.build_metrics(spec))
-    eval_acc = steps_lib.Accumulator(steps_lib.build_metrics(spec))
+# ---------------------------------------------------------------- the actor's half of the backend
 
+
+def prepare(task, payload: WorkerPayload, ctx: TaskContext) -> None:
+    """A worker's shard of the training data as local TFRecords (see raytf.data), and its staging folder
+    as the working directory: the pipeline the chief builds reads them by a relative path, with TF ops
+    only (a pipeline that calls back into Python cannot run on a remote TF worker)."""
+    if task.role != "worker":
+        return
+    ctx.phase("converting data")
     info = payload.train_data
-    seed = spec.train.seed + position.epoch  # a resumed run does not replay the same order
-    per_worker = coordinator.create_per_worker_dataset(
-        lambda: data.record_dataset(info, f"{data.RECORDS_DIR}/train", global_batch, spec.train.shuffle_buffer, seed))
-    iterator = iter(per_worker)
+    shard = data.plan_shards([p.num_rows for p in info.pieces], payload.spec.cluster.workers)[task.index]
+    try:
+        data.write_records(info, payload.train_root, shard, os.path.join(ctx.staging_dir, data.RECORDS_DIR, "train"))
+    except ValueError as exc:
+        raise ValueError(f"worker {task.index}: {exc}") from None
+    os.chdir(ctx.staging_dir)
 
-    @tf.function
-    def train_step(iterator):
-        def replica(x, y):
+
+def start(task, payload: WorkerPayload, ctx: TaskContext):
+    """ps and worker tasks run TF's server, alive as long as the actor; the chief's strategy connects to
+    them in `train`, and the evaluator only reads checkpoints."""
+    if task.role in ("chief", "evaluator"):
+        return None
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    return tf.distribute.Server(resolver.cluster_spec(), job_name=task.role, task_index=task.index,
+                                protocol="grpc", start=True)
+
+
+def train(server, task, payload: WorkerPayload, ctx: TaskContext) -> dict[str, Any]:
+    if server is not None:  # ps and workers serve the chief until the controller stops them
+        ctx.phase("serving")
+        threading.Event().wait()
+    return run_chief(payload, ctx) if task.role == "chief" else run_evaluator(payload, ctx)
+
+
+def run_chief(payload: WorkerPayload, ctx: TaskContext) -> dict[str, Any]:
+    return loop.run(ParameterServerRunner(payload, ctx), payload, ctx)
+
+
+class ParameterServerRunner:
+    """raytf's loop on the chief: steps scheduled with ClusterCoordinator onto whichever worker is free,
+    their metric deltas fetched in order (the progress, and the epoch's sums); validation on the chief."""
+
+    def __init__(self, payload: WorkerPayload, ctx: TaskContext):
+        spec = payload.spec
+        self.payload, self.ctx = payload, ctx
+        keras.utils.set_random_seed(spec.train.seed)
+        self.recoveries = _watch_recoveries()
+        self.strategy = strategy = tf.distribute.ParameterServerStrategy(
+            tf.distribute.cluster_resolver.TFConfigClusterResolver(), variable_partitioner=partitioner(spec))
+        self.coordinator = coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        global_batch = spec.train.global_batch_size
+        model, optimizer, targets = steps_lib.build_model(payload, strategy, trained=shard_targets)
+        self.model, self.optimizer = model, optimizer
+        self.state = tf.train.Checkpoint(weights=tf_variables(model.weights),
+                                         optimizer=tf_variables(optimizer.variables))
+        # Shard shapes per variable: a checkpoint only fits the same ps count and partitioner.
+        self.layout = {v.path: [s.shape.as_list() for s in tf_variables([v])] for v in model.weights}
+        loss_fn = steps_lib.build_loss(spec)
+        self.train_acc = train_acc = steps_lib.Accumulator(steps_lib.build_metrics(spec))
+        self.eval_acc = eval_acc = steps_lib.Accumulator(steps_lib.build_metrics(spec))
+
+        info = payload.train_data
+        first_epoch = payload.resume_from.epoch if payload.resume_from else 1
+        seed = spec.train.seed + first_epoch  # a resumed run does not replay the same order
+        per_worker = coordinator.create_per_worker_dataset(
+            lambda: data.record_dataset(info, f"{data.RECORDS_DIR}/train", global_batch, spec.train.shuffle_buffer, seed))
+        self._iterator = iter(per_worker)
+
+        def gradients(x, y):
+            """Forward and backward pass of one step on its worker."""
             with tf.GradientTape() as tape:
-                pred = model(x, training=True)
+                pred = steps_lib.float32(model(x, training=True))
                 y = steps_lib.align_labels(y, pred)
                 per_example = loss_fn(y, pred)
                 loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
                 if model.losses:
-                    loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
-            grads = tape.gradient(loss, [t.value for t in targets])
-            optimizer.apply_gradients(zip(grads, targets))
-            return train_acc.delta(y, pred, per_example)
+                    loss += tf.nn.scale_regularization_loss(tf.add_n([tf.cast(v, tf.float32) for v in model.losses]))
+                scaled = optimizer.scale_loss(loss)  # mixed_float16: loss scaling; otherwise the loss itself
+            grads = tape.gradient(scaled, [t.value for t in targets])
+            return grads, train_acc.delta(y, pred, per_example)
 
-        x, y = next(iterator)
-        return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(replica, args=(x, y)), axis=None)
+        @tf.function
+        def train_step(iterator):
+            def replica(x, y):
+                grads, delta = gradients(x, y)
+                optimizer.apply_gradients(zip(grads, targets))  # unscales under loss scaling
+                return delta
 
-    @tf.function
-    def eval_step(x, y, w):  # on the chief itself: exact, every validation row once
-        pred = model(x, training=False)
-        y = steps_lib.align_labels(y, pred)
-        return eval_acc.delta(y, pred, loss_fn(y, pred), weight=w)
+            x, y = next(iterator)
+            return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(replica, args=(x, y)), axis=None)
 
-    validate = _validation(payload, global_batch) if not spec.cluster.evaluator else None
-    in_flight = IN_FLIGHT_PER_WORKER * spec.cluster.workers
-    steps = steps_per_epoch(payload)
-    writer = steps_lib.summary_writer(ctx) if spec.output.tensorboard else None
-    history = list(position.history)
-    global_step = position.global_step
-    every_kind, every = spec.checkpoint.interval
-    for epoch in range(position.epoch, spec.train.epochs + 1):
-        started = time.time()
-        resuming = epoch == position.epoch and position.step_in_epoch > 0
-        totals = np.array(position.totals, np.float64) if resuming and position.totals else \
-            np.zeros(sum(train_acc.sizes), np.float64)
-        step = position.step_in_epoch if epoch == position.epoch else 0
-        unreported = 0  # steps whose metrics died with their worker
-        while step < steps:
-            stop = steps  # the next checkpoint, or the epoch's end
-            if every_kind == "steps":
-                stop = min(steps, step + every - global_step % every)
-            for delta in _run_steps(coordinator, train_step, iterator, stop - step, in_flight):
-                step += 1
-                global_step += 1
-                if delta is None:
-                    unreported += 1
-                    continue
-                totals += delta
-                ctx.step(epoch, step, steps, global_step, delta[0] / max(delta[1], 1.0), global_batch)
-            if every_kind == "steps" and global_step % every == 0 and step < steps:
-                checkpoints.save(global_step, epoch, step, history, totals)
-        coordinator.join()
-        metrics = train_acc.results(totals)
-        if unreported:
-            metrics["steps_unreported"] = unreported
-        val = None
-        if validate is not None:
-            ctx.phase("validating")
-            val = eval_acc.results(validate(eval_step))
-        steps_lib.end_epoch(ctx, writer, history, metrics, val, epoch, started, global_step)
-        final_for_evaluator = epoch == spec.train.epochs and spec.cluster.evaluator  # it must see the final weights
-        if steps_lib.checkpoint_due(spec.checkpoint.interval, global_step, epoch) or final_for_evaluator:
-            checkpoints.save(global_step, epoch + 1, 0, history)
+        @tf.function
+        def eval_step(x, y, w):  # on the chief itself: exact, every validation row once
+            pred = steps_lib.float32(model(x, training=False))
+            y = steps_lib.align_labels(y, pred)
+            return eval_acc.delta(y, pred, loss_fn(y, pred), weight=w)
 
-    weights = model.get_weights()
-    plain = model_fn()  # outside the strategy: ordinary variables on the chief, which Keras can save
-    plain.set_weights(weights)
-    plain.save(os.path.join(ctx.staging_dir, "model.keras"))
-    return {"history": history, "weights_digest": steps_lib.weights_digest(plain), "steps": global_step,
-            "steps_run": global_step - position.global_step, "replicas": strategy.num_replicas_in_sync,
-            "variable_devices": variable_devices(model), "recovered_workers": recoveries.recovered}
+        self._train_step, self._eval_step = train_step, eval_step
+        self._validate = _validation(payload, global_batch) if not spec.cluster.evaluator else None
+        self.validates = self._validate is not None
+        self._in_flight = IN_FLIGHT_PER_WORKER * spec.cluster.workers
+        self.steps = steps_per_epoch(payload)
+        self._totals = np.zeros(sum(train_acc.sizes), np.float64)
+        self._unreported = 0  # steps whose metrics died with their worker
+
+    def start_epoch(self, epoch: int, totals: np.ndarray | None) -> None:
+        self._totals = totals.copy() if totals is not None else np.zeros(sum(self.train_acc.sizes), np.float64)
+        self._unreported = 0
+
+    def train(self, count: int, epoch: int) -> Iterator[Any]:
+        for delta in _run_steps(self.coordinator, self._train_step, self._iterator, count, self._in_flight):
+            if delta is None:
+                self._unreported += 1
+                yield None
+                continue
+            self._totals += delta
+            yield delta[0] / max(delta[1], 1.0)
+
+    def epoch_totals(self) -> np.ndarray:
+        self.coordinator.join()
+        return self._totals.copy()
+
+    def epoch_notes(self) -> dict[str, Any]:
+        return {"steps_unreported": self._unreported} if self._unreported else {}
+
+    def sync_state(self) -> None:
+        pass  # one copy of every variable, on the ps tasks
+
+    def validate(self) -> np.ndarray:
+        return self._validate(self._eval_step)
+
+    def checkpoint_options(self) -> tf.train.CheckpointOptions:
+        # All written by the chief (TF would otherwise write each variable's part on its ps host).
+        return tf.train.CheckpointOptions(experimental_io_device=CHIEF_DEVICE)
+
+    def checkpoint_extras(self, local_dir: str) -> dict[str, Any]:
+        """The full weights as NumPy too, for the evaluator; and the shard layout, checked on restore."""
+        np.savez(os.path.join(local_dir, WEIGHTS_FILE), *self.model.get_weights())
+        return {"layout": self.layout}
+
+    def check_restorable(self, meta: dict[str, Any], path: str) -> None:
+        saved = meta.get("layout")
+        if saved is not None and saved != self.layout:
+            changed = sorted(k for k in set(saved) | set(self.layout) if saved.get(k) != self.layout.get(k))
+            raise ValueError(
+                f"checkpoint {path} holds variables split differently from this job's ({changed[0]}: "
+                f"{saved.get(changed[0])} there, {self.layout.get(changed[0])} here); keep cluster.ps and "
+                f"cluster.variable_partitioner as they were for that run, or use a fresh checkpoint.dir")
+
+    def final_checkpoint_needed(self) -> bool:
+        return self.payload.spec.cluster.evaluator  # the evaluator must see the final weights
+
+    def finish(self) -> dict[str, Any]:
+        weights = self.model.get_weights()
+        plain = self.payload.function("model")()  # outside the strategy: ordinary variables on the chief
+        plain.set_weights(weights)
+        plain.save(os.path.join(self.ctx.staging_dir, "model.keras"))
+        return {"weights_digest": steps_lib.weights_digest(plain), "replicas": self.strategy.num_replicas_in_sync,
+                "variable_devices": variable_devices(self.model), "recovered_workers": self.recoveries.recovered}
 
 
 IN_FLIGHT_PER_WORKER = 4  # scheduled steps not yet fetched, per worker: enough to keep every worker busy
@@ -263,68 +324,6 @@ def _validation(payload: WorkerPayload, batch: int):
         return total
 
     return validate
-
-
-class _Checkpoints:
-    """The raw TF variables (shards as they are) through tf.train.Checkpoint, all written by the chief
-    (TF would otherwise write each variable's part on its ps host), plus the full weights as NumPy for
-    the evaluator; uploaded with the position through raytf.checkpoint.Storage."""
-
-    def __init__(self, state: tf.train.Checkpoint, model: keras.Model, payload: WorkerPayload, ctx: TaskContext):
-        self.state, self.model, self.payload, self.ctx = state, model, payload, ctx
-        # Shard shapes per variable: a checkpoint only fits the same ps count and partitioner.
-        self.layout = {v.path: [s.shape.as_list() for s in tf_variables([v])] for v in model.weights}
-        self.options = tf.train.CheckpointOptions(experimental_io_device=CHIEF_DEVICE)
-        self.storage = Storage(payload.checkpoint_dir) if payload.checkpoint_dir else None
-
-    def restore(self) -> steps_lib.Position:
-        resume = self.payload.resume_from
-        if resume is None:
-            return steps_lib.Position()
-        self.ctx.phase("restoring")
-        local = tempfile.mkdtemp(prefix="raytf-restore-")
-        try:
-            try:
-                Storage(self.payload.checkpoint_dir).download(resume, local)
-                with open(os.path.join(local, META)) as f:
-                    meta = json.load(f)
-            except Exception as exc:
-                raise CheckpointCorrupt(resume.path, _first_line(exc)) from None
-            saved = meta.get("layout")
-            if saved is not None and saved != self.layout:
-                changed = sorted(k for k in set(saved) | set(self.layout) if saved.get(k) != self.layout.get(k))
-                raise ValueError(
-                    f"checkpoint {resume.path} holds variables split differently from this job's ({changed[0]}: "
-                    f"{saved.get(changed[0])} there, {self.layout.get(changed[0])} here); keep cluster.ps and "
-                    f"cluster.variable_partitioner as they were for that run, or use a fresh checkpoint.dir")
-            try:
-                self.state.read(os.path.join(local, "state"), options=self.options).assert_existing_objects_matched()
-            except Exception as exc:
-                raise CheckpointCorrupt(resume.path, _first_line(exc)) from None
-        finally:
-            shutil.rmtree(local, ignore_errors=True)
-        return steps_lib.Position(resume.epoch, resume.step_in_epoch, resume.step, resume.history, meta.get("epoch_totals"))
-
-    def save(self, global_step: int, epoch: int, step_in_epoch: int, history: list, totals=None) -> None:
-        if self.storage is None:
-            return
-        self.ctx.phase("checkpointing")
-        local = tempfile.mkdtemp(prefix="raytf-ckpt-")
-        try:
-            self.state.write(os.path.join(local, "state"), options=self.options)
-            np.savez(os.path.join(local, WEIGHTS_FILE), *self.model.get_weights())
-            self.storage.upload(local, {"step": global_step, "epoch": epoch, "step_in_epoch": step_in_epoch,
-                                        "history": history, "world_size": self.ctx.world_size,
-                                        "saved_at": time.time(), "layout": self.layout,
-                                        "epoch_totals": totals.tolist() if totals is not None else None})
-            self.storage.prune(self.payload.spec.checkpoint.keep)
-        finally:
-            shutil.rmtree(local, ignore_errors=True)
-        self.ctx.phase("train")
-
-
-def _first_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
 
 
 # ---------------------------------------------------------------- the evaluator side-car

@@ -44,6 +44,22 @@ def build_loss(spec: JobSpec) -> Callable:
     return fn
 
 
+def build_model(payload, strategy: tf.distribute.Strategy,
+                trained: Callable[[keras.Model], list] = lambda model: model.trainable_variables):
+    """The job's model and optimizer under the strategy, in the spec's precision; the optimizer is built
+    for `trained(model)` (the variables it updates), so its slots exist before a restore fills them."""
+    spec = payload.spec
+    keras.mixed_precision.set_global_policy(spec.train.precision)
+    with strategy.scope():
+        model = payload.function("model")()
+        if not isinstance(model, keras.Model):
+            raise TypeError(f"model: {spec.model} returned {type(model).__name__}, not a keras.Model")
+        optimizer = build_optimizer(spec)
+        targets = trained(model)
+        optimizer.build(targets)
+    return model, optimizer, targets
+
+
 def build_optimizer(spec: JobSpec) -> keras.optimizers.Optimizer:
     optimizer = keras.optimizers.get({"class_name": spec.optimizer.name,
                                       "config": {"learning_rate": spec.optimizer.learning_rate,
@@ -174,7 +190,7 @@ def align_labels(y, pred):
     return y
 
 
-def _float32(pred):
+def float32(pred):
     """Model outputs in float32 for the loss and metrics (mixed precision computes in 16 bits)."""
     return tf.nest.map_structure(lambda t: tf.cast(t, tf.float32) if t.dtype.is_floating else t, pred)
 
@@ -191,7 +207,7 @@ def make_step_functions(strategy: tf.distribute.Strategy, model: keras.Model, op
         """Forward and backward pass of one replica (XLA-compiled with train.jit_compile; the
         gradient all-reduce in apply_gradients stays outside the compiled part)."""
         with tf.GradientTape() as tape:
-            pred = _float32(model(x, training=True))
+            pred = float32(model(x, training=True))
             y = align_labels(y, pred)
             per_example = loss_fn(y, pred)
             if weight is not None:  # padding rows (data.remainder: pad) weigh 0
@@ -219,7 +235,7 @@ def make_step_functions(strategy: tf.distribute.Strategy, model: keras.Model, op
         return step[0] / tf.maximum(step[1], 1.0)
 
     def eval_replica(x, y, w):
-        pred = _float32(model(x, training=False))
+        pred = float32(model(x, training=False))
         y = align_labels(y, pred)
         return eval_acc.delta(y, pred, loss_fn(y, pred), weight=w)
 
@@ -245,15 +261,6 @@ def weights_digest(model: keras.Model) -> str:
     for w in model.get_weights():
         h.update(w.tobytes())
     return h.hexdigest()
-
-
-class Position:
-    """Where a loop starts: from scratch, or from a checkpoint (epoch, steps of it done, global step,
-    the finished epochs' metrics, and for a mid-epoch checkpoint the epoch's metric sums so far)."""
-
-    def __init__(self, epoch: int = 1, step_in_epoch: int = 0, global_step: int = 0, history=(), totals=None):
-        self.epoch, self.step_in_epoch, self.global_step, self.history = epoch, step_in_epoch, global_step, history
-        self.totals = totals
 
 
 def summary_writer(ctx):

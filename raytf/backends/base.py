@@ -1,0 +1,88 @@
+"""What a strategy backend tells the driver. Pure: no Ray, no TensorFlow."""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from raytf.rendezvous import ActorReport, Task
+    from raytf.spec import ClusterSpec, JobSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleSupervision:
+    """How the controller treats the tasks of one role while they train.
+
+    awaited: the attempt is done when every awaited task has returned.
+    on_failure: "fatal" ends the attempt; "replace" starts a new actor at the task's address and goes on;
+    "record" notes the error in the result and goes on.
+    watched: no progress from it for failure.hang_timeout_s ends the attempt.
+    """
+
+    awaited: bool
+    on_failure: Literal["fatal", "replace", "record"]
+    watched: bool
+
+
+class Backend:
+    """The driver's half of a strategy. Subclasses fill in the roles and the rules."""
+
+    name: str = ""
+    actor_module: str = ""  # the actor's half: raytf.strategies.<name>, imported inside the actor only
+    supports_standby: bool = False  # warm processes can take a restarted task's place
+    supports_elastic: bool = False  # a restart may go on with fewer workers
+    supervision: dict[str, RoleSupervision] = {}
+
+    def roles(self, spec: "JobSpec") -> list[str]:
+        """The TF role of each bundle, in bundle order (the rendezvous relies on it)."""
+        raise NotImplementedError
+
+    def bundles(self, spec: "JobSpec") -> list[dict[str, float]]:
+        """One placement-group bundle per TF task, in `roles` order."""
+        raise NotImplementedError
+
+    def assign(self, reports: "list[ActorReport]", spec: "JobSpec") -> "list[Task]":
+        """Ranks and roles for the started actors, ordered by rank (rank 0 is the chief)."""
+        raise NotImplementedError
+
+    def check(self, spec: "JobSpec") -> None:
+        """This strategy's spec rules; a ValueError names the key and the fix."""
+        raise NotImplementedError
+
+    def role_name(self, task: "Task") -> str:
+        return task.role
+
+    def with_workers(self, spec: "JobSpec", workers: int) -> "JobSpec":
+        """The spec for an attempt with `workers` workers (an elastic restart)."""
+        if workers == spec.cluster.workers:
+            return spec
+        return spec.model_copy(update={"cluster": spec.cluster.model_copy(update={"workers": workers})})
+
+    def who(self, ranks: list[int]) -> str:
+        """The ranks a message is about ("rank(s) [1]")."""
+        return f"rank(s) {ranks}"
+
+    def failed_task(self, task: "Task") -> str:
+        """How a failure message names the task it began in ('' where ranks say it all)."""
+        return ""
+
+    def reservation_note(self, spec: "JobSpec") -> str:
+        """What the bundles are, for the 'reserving' line ('' when they are all alike)."""
+        return ""
+
+    def validation_each_epoch(self, spec: "JobSpec") -> bool:
+        """Whether each epoch's metrics carry val_* when the report for that epoch arrives."""
+        return spec.data is not None and spec.data.validation is not None
+
+
+def worker_bundle(cluster: "ClusterSpec") -> dict[str, float]:
+    """A worker's bundle. Zero-valued resources are left out, and an empty bundle gets a sliver of CPU:
+    Ray rejects empty ones."""
+    bundle = {k: v for k, v in {"CPU": cluster.cpus_per_worker, "GPU": cluster.gpus_per_worker}.items() if v > 0}
+    return bundle or {"CPU": 0.001}
+
+
+def nearest_multiples(value: int, divisor: int) -> str:
+    below = value - value % divisor
+    above = below + divisor
+    return f"{below} or {above}" if below > 0 else str(above)

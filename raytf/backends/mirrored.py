@@ -1,0 +1,54 @@
+"""MultiWorkerMirroredStrategy: N identical workers, rank 0 the chief, every step a collective."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from raytf.backends.base import Backend, RoleSupervision, nearest_multiples, worker_bundle
+
+if TYPE_CHECKING:
+    from raytf.rendezvous import ActorReport, Task
+    from raytf.spec import JobSpec
+
+# cluster keys that only a parameter-server job has
+PS_KEYS = ("ps", "cpus_per_ps", "cpus_per_chief", "evaluator", "variable_partitioner")
+
+
+class Mirrored(Backend):
+    name = "mirrored"
+    actor_module = "raytf.strategies.mirrored"
+    supports_standby = True
+    supports_elastic = True
+    # A worker that dies leaves its peers hanging in a collective: any failure ends the attempt.
+    supervision = {"worker": RoleSupervision(awaited=True, on_failure="fatal", watched=True)}
+
+    def roles(self, spec: "JobSpec") -> list[str]:
+        return ["worker"] * spec.cluster.workers
+
+    def bundles(self, spec: "JobSpec") -> list[dict[str, float]]:
+        return [worker_bundle(spec.cluster) for _ in range(spec.cluster.workers)]
+
+    def assign(self, reports: "list[ActorReport]", spec: "JobSpec") -> "list[Task]":
+        from raytf.rendezvous import assign_ranks
+
+        return assign_ranks(reports)
+
+    def role_name(self, task: "Task") -> str:
+        return "chief" if task.rank == 0 else "worker"
+
+    def check(self, spec: "JobSpec") -> None:
+        from raytf.spec import ClusterSpec
+
+        # compared with the defaults, not "was it given": a spec dumped and parsed again (a sweep's
+        # trials) carries every key
+        given = [k for k in PS_KEYS if getattr(spec.cluster, k) != ClusterSpec.model_fields[k].default]
+        if given:
+            raise ValueError(f"cluster.{given[0]} is for strategy: parameter_server; remove it, or set "
+                             f"strategy: parameter_server")
+        replicas, batch = spec.cluster.replicas, spec.train.global_batch_size
+        if batch % replicas:
+            raise ValueError(f"train.global_batch_size {batch} is not divisible by {replicas} replicas "
+                             f"({spec.cluster.workers} workers x {spec.cluster.replicas_per_worker}); "
+                             f"use {nearest_multiples(batch, replicas)}")
+
+
+MIRRORED = Mirrored()

@@ -1,0 +1,94 @@
+"""The controller's decisions, apart from its mechanism: pure functions and objects that take what happened
+and return what to do. Every number the controller acts on is named in `Limits`. No Ray, no TensorFlow.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Literal
+
+from raytf import failure as failure_lib
+from raytf.failure import Failure
+
+if TYPE_CHECKING:
+    from raytf.spec import JobSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """How long the controller waits, and how often it tries again. The job's own limits
+    (reserve_timeout_s, start_timeout_s, hang_timeout_s, max_restarts) come from its spec."""
+
+    poll_interval_s: float = 1.0  # one supervision step: wait this long for a task to finish
+    progress_timeout_s: float = 4.0  # how long a progress query may take before that rank counts as silent
+    peer_error_grace_s: float = 2.0  # after a rank fails, how long to collect the others' errors
+    rendezvous_attempts: int = 3  # fresh ports each time; a port lost twice in a row is already rare
+    elastic_reserve_timeout_s: float = 10.0  # after the full size did not fit: how long each smaller size may take
+    replacements_per_worker: int = 2  # parameter servers: new actors for dead workers, per worker, per attempt
+    standby_check_s: float = 1.0  # how long a warm standby may take to answer before it is let go
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What to do after an attempt failed: restart (resuming from the latest checkpoint that is not bad)
+    or raise. `charged`: whether it counts against failure.max_restarts."""
+
+    action: Literal["restart", "raise"]
+    reason: str
+    charged: bool = True
+
+
+class RestartPolicy:
+    """Restarts for infrastructure trouble (a dead actor or node, a hang, a broken collective, an I/O
+    error, a start-up failure), up to failure.max_restarts; a corrupt checkpoint falls back to the one
+    before it, free of charge; an error in the job's own code is raised at once (a restart would repeat it)."""
+
+    def __init__(self, max_restarts: int):
+        self.max_restarts = max_restarts
+
+    def decide(self, failure: Failure, charged_so_far: int) -> Decision:
+        decided = failure_lib.decide(failure, charged_so_far, self.max_restarts)
+        if not decided.restart:
+            return Decision("raise", decided.reason)
+        return Decision("restart", decided.reason, charged=failure.kind != "checkpoint")
+
+
+class ScalingPolicy:
+    """How many workers each reservation asks for, and for how long: the full count first; after a failure,
+    with failure.elastic, smaller counts that keep the global batch divisible, down to min_workers."""
+
+    def __init__(self, spec: "JobSpec", limits: Limits, elastic_supported: bool):
+        self.spec, self.limits, self.elastic_supported = spec, limits, elastic_supported
+
+    def sizes(self, after_failure: bool) -> list[tuple[int, float]]:
+        spec = self.spec
+        full = (spec.cluster.workers, spec.cluster.reserve_timeout_s)
+        if not (after_failure and self.elastic_supported and spec.failure.elastic is not None):
+            return [full]
+        counts = failure_lib.elastic_sizes(spec.cluster.workers, spec.failure.elastic.min_workers,
+                                           spec.train.global_batch_size, spec.cluster.replicas_per_worker)
+        smaller = min(self.limits.elastic_reserve_timeout_s, spec.cluster.reserve_timeout_s)
+        return [full] + [(n, smaller) for n in counts if n != spec.cluster.workers]
+
+
+class ReplacementPolicy:
+    """Parameter servers: a dead worker is replaced while the attempt's budget lasts and training runs."""
+
+    def __init__(self, workers: int, limits: Limits):
+        self.left = limits.replacements_per_worker * workers
+
+    def replace(self, training_done: bool) -> bool:
+        if training_done or self.left <= 0:
+            return False
+        self.left -= 1
+        return True
+
+
+def stalled(last_progress_at: dict[int, float], now: float, hang_timeout_s: float) -> list[int]:
+    """The ranks whose progress has not changed for longer than hang_timeout_s."""
+    return sorted(rank for rank, seen in last_progress_at.items() if now - seen > hang_timeout_s)
+
+
+def peer_grace_s(failure_kind: str, limits: Limits) -> float:
+    """A dead actor explains its peers' trouble (they are stuck in a collective and would only time out):
+    no wait. Otherwise give them a moment to report their own errors."""
+    return 0.0 if failure_kind == "actor_died" else limits.peer_error_grace_s

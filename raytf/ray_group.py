@@ -1,0 +1,253 @@
+"""The controller's interfaces on Ray: one TaskActor per placement-group bundle (RayWorkerGroup), and
+placement groups with warm standby actors (RayResources)."""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from raytf import placement
+from raytf.errors import PortTaken, WorkerStartupError
+from raytf.group import Finished, TaskError
+from raytf.rendezvous import ActorReport, Task, tf_config
+from raytf.worker import TaskActor
+from raytf.worker_api import WorkerPayload
+
+_RemoteTaskActor = ray.remote(TaskActor)
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The user's exception inside Ray's wrappers, where there is one."""
+    if isinstance(exc, RayTaskError):
+        cause = exc.as_instanceof_cause()
+        inner = getattr(exc, "cause", None)
+        return inner if isinstance(inner, BaseException) else cause
+    return exc
+
+
+def describe(exc: BaseException) -> str:
+    exc = root_cause(exc)
+    if isinstance(exc, RayActorError):
+        return f"actor died ({str(exc).splitlines()[0][:300]})"
+    line = summary(str(exc))
+    name = type(exc).__name__
+    return line if line.startswith(f"{name}: ") else f"{name}: {line}".strip()
+
+
+def task_error(exc: BaseException) -> TaskError:
+    cause = root_cause(exc)
+    return TaskError(type(cause).__name__, str(cause), isinstance(cause, RayActorError), describe(exc))
+
+
+_TF_PREAMBLE = ("Graph execution error", "in user code:", "Detected at node", "File ", "[[", "(most recent call last)")
+
+
+def summary(message: str, limit: int = 300) -> str:
+    """One line of an error message that names the cause: the first line, except where TensorFlow
+    opens with "Graph execution error:" and a traceback, whose cause is the last plain line (before
+    op lines such as `[[IteratorGetNext]]`)."""
+    # A remote TF error carries the gRPC details after the cause; they are not it.
+    message = message.split("\nAdditional GRPC error information")[0]
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    if lines[0].startswith(_TF_PREAMBLE):
+        plain = [line for line in lines if not line.startswith(_TF_PREAMBLE) and not line.endswith(":")]
+        return (plain[-1] if plain else lines[-1])[:limit]
+    return lines[0][:limit]
+
+
+def create_actor(pg, index: int, bundle: dict[str, float], runtime_env: dict[str, Any], port: int = 0):
+    """A TaskActor in bundle `index`; an empty `bundle` makes a warm standby that takes no resources."""
+    return _RemoteTaskActor.options(
+        num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), max_concurrency=2,
+        max_restarts=0, runtime_env=runtime_env,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index),
+    ).remote(index, port)
+
+
+def kill(actor) -> None:
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # already gone
+        pass
+
+
+class RayWorkerGroup:
+    def __init__(self, pg, bundles: list[dict[str, float]], runtime_env: dict[str, Any],
+                 standby: dict[int, tuple[Any, tuple, str | None]] | None = None):
+        """standby: bundle index -> (warm actor, GPU ids, CUDA_VISIBLE_DEVICES) to use instead of a new actor."""
+        self.pg, self.bundles, self.runtime_env = pg, bundles, runtime_env
+        self.standby = dict(standby or {})
+        self.actors: list[Any] = []  # by bundle index
+        self.tasks: list[Task] = []  # by rank
+        self._by_rank: list[Any] = []
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    def start(self, timeout_s: float) -> list[ActorReport]:
+        """Create one actor per bundle and collect what each reports about itself."""
+        reports = []
+        for index in range(len(self.bundles)):
+            if index in self.standby:
+                actor, gpu_ids, visible = self.standby.pop(index)
+                reports.append(actor.adopt.remote(gpu_ids, visible))
+            else:
+                actor = self._create(index)
+                reports.append(actor.report.remote())
+            self.actors.append(actor)
+        return self._get(reports, timeout_s, "report in", [f"bundle {i}" for i in range(len(self.actors))])
+
+    def _create(self, index: int, port: int = 0):
+        return create_actor(self.pg, index, self.bundles[index], self.runtime_env, port)
+
+    def setup(self, tasks: list[Task], payload: WorkerPayload, timeout_s: float) -> list[dict[str, Any]]:
+        self.tasks = tasks
+        self._by_rank = [self.actors[t.bundle_index] for t in tasks]
+        refs = [a.setup.remote(t, tf_config(tasks, t), len(tasks), payload) for a, t in zip(self._by_rank, tasks)]
+        return self._get(refs, timeout_s, "start TensorFlow", [f"rank {t.rank}" for t in tasks])
+
+    def replace(self, task: Task, payload: WorkerPayload, timeout_s: float) -> ray.ObjectRef:
+        """A new actor for a dead task, in its bundle and at its port, set up as the task was; returns its
+        train ref. Fails when the bundle has moved to another node (the address would change)."""
+        with self._lock:  # a replacement racing the end of the attempt must not outlive it
+            if self._stopped:
+                raise WorkerStartupError("the attempt has ended")
+            actor = self._create(task.bundle_index, port=task.port)
+            self.actors[task.bundle_index] = actor  # stop() kills it whatever happens next
+        try:
+            report = self._get([actor.report.remote()], timeout_s, "report in", [f"rank {task.rank}"])[0]
+            if report.node_ip != task.node_ip:
+                raise WorkerStartupError(f"its bundle moved from {task.node_ip} to {report.node_ip}")
+            self._get([actor.setup.remote(task, tf_config(self.tasks, task), len(self.tasks), payload)], timeout_s,
+                      "start TensorFlow", [f"rank {task.rank}"])
+        except Exception:
+            kill(actor)
+            raise
+        self._by_rank[task.rank] = actor
+        return actor.train.remote(payload)
+
+    def train(self, payload: WorkerPayload) -> list[ray.ObjectRef]:
+        return [a.train.remote(payload) for a in self._by_rank]
+
+    def wait(self, handles: list[ray.ObjectRef], timeout_s: float) -> list[Finished]:
+        """Returns as soon as one is done (with any others done by then), or after timeout_s with none."""
+        if not handles:
+            return []
+        done, rest = ray.wait(list(handles), num_returns=1, timeout=timeout_s)
+        if not done:
+            return []
+        if rest:
+            done += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
+        out = []
+        for ref in done:
+            try:
+                out.append(Finished(ref, outcome=ray.get(ref)))
+            except Exception as exc:
+                out.append(Finished(ref, error=task_error(exc)))
+        return out
+
+    def progress(self, timeout_s: float) -> list[dict[str, Any] | None]:
+        """Each rank's latest progress; None for a rank that did not answer in time."""
+        refs = [a.progress.remote() for a in self._by_rank]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        ready_set = set(ready)
+        out: list[dict[str, Any] | None] = []
+        for ref in refs:
+            try:
+                out.append(ray.get(ref) if ref in ready_set else None)
+            except Exception:
+                out.append(None)
+        return out
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            actors, self.actors, self._by_rank = self.actors, [], []
+        for actor in actors:
+            kill(actor)
+
+    @staticmethod
+    def _get(refs: list, timeout_s: float, what: str, names: list[str]) -> list:
+        """All results, in order; the first error ends the wait (peers may be blocked on the failed one)."""
+        deadline = time.monotonic() + timeout_s
+        name_of = dict(zip(refs, names))
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                raise WorkerStartupError(f"workers failed to {what}: {', '.join(name_of[r] for r in pending)} "
+                                         f"did not answer within {timeout_s:g}s")
+            try:
+                ray.get(done[0])
+            except Exception as exc:
+                cause = root_cause(exc)
+                if isinstance(cause, PortTaken):
+                    raise cause from None
+                raise WorkerStartupError(f"workers failed to {what}: {name_of[done[0]]}: {describe(exc)}") from None
+        return ray.get(refs)
+
+
+class RayResources:
+    """Placement groups through Ray, and warm standby actors: one per bundle, started once an attempt's
+    actors are set up (or once a restarted attempt trains again), each with TensorFlow imported and no
+    resources of its own. Most of a restart is new processes importing TensorFlow; a restart promotes
+    these instead (TF 2.21 cannot re-form a collective group inside a process that was in one, so
+    survivors cannot be reused)."""
+
+    def __init__(self, group_cls=RayWorkerGroup, standby_enabled: bool = False, standby_check_s: float = 1.0):
+        self.group_cls, self.standby_enabled, self.standby_check_s = group_cls, standby_enabled, standby_check_s
+        self._standby_pg = None
+        self._standby: dict[int, tuple[Any, tuple, str | None]] = {}
+
+    def reserve(self, bundles, strategy: str, timeout_s: float, name: str):
+        return placement.reserve(bundles, strategy, timeout_s, name=name)
+
+    def ready_again(self, pg, timeout_s: float) -> bool:
+        ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+        return bool(ready)
+
+    def release(self, pg) -> None:
+        placement.release(pg)
+
+    def new_group(self, pg, bundles, env, standby):
+        return self.group_cls(pg, bundles, env, standby=standby) if standby else self.group_cls(pg, bundles, env)
+
+    def fill_standby(self, pg, env: dict[str, Any], tasks: list[Task]) -> None:
+        if not self.standby_enabled or self._standby:
+            return
+        self._standby_pg = pg
+        for t in tasks:
+            self._standby[t.bundle_index] = (create_actor(pg, t.bundle_index, {}, env), t.gpu_ids,
+                                             t.cuda_visible_devices)
+
+    def take_standby(self, pg, count: int) -> dict[int, tuple[Any, tuple, str | None]]:
+        """The live standbys of bundles 0..count-1 of this placement group; the others are let go."""
+        if not self._standby:
+            return {}
+        actors, self._standby = self._standby, {}
+        usable = {i: a for i, a in actors.items()
+                  if i < count and self._standby_pg is not None and pg.id == self._standby_pg.id}
+        refs = {i: a[0].report.remote() for i, a in usable.items()}
+        ready = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.standby_check_s)[0] if refs else []
+        alive = {}
+        for i, ref in refs.items():
+            if ref in ready:
+                try:
+                    ray.get(ref)
+                    alive[i] = usable[i]
+                except Exception:  # died with its node
+                    pass
+        for i, (actor, _, _) in actors.items():
+            if i not in alive:
+                kill(actor)
+        return alive
+
+    def release_standby(self) -> None:
+        for actor, _, _ in self._standby.values():
+            kill(actor)
+        self._standby = {}

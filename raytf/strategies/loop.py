@@ -1,0 +1,156 @@
+"""The one training loop both strategies run, inside the actor that drives training (every worker under
+MultiWorkerMirrored, the chief under parameter servers).
+
+It owns what the strategies share: the epoch and step plan, the epoch's metric sums (exact over all
+replicas, and saved in mid-epoch checkpoints, so a resumed epoch reports the same metrics as an
+uninterrupted one), the BatchNormalization sync, validation, TensorBoard, checkpoints through
+raytf.checkpoint.Storage, and progress for the watchdog. A strategy supplies a `Runner`: how its steps run
+(strategy.run or ClusterCoordinator.schedule) and where its sums and checkpoint state come from.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from typing import Any, Iterator, Protocol
+
+import numpy as np
+import tensorflow as tf
+
+from raytf.checkpoint import META, Storage
+from raytf.errors import CheckpointCorrupt
+from raytf.strategies import steps as steps_lib
+from raytf.worker_api import TaskContext, WorkerPayload
+
+
+class Runner(Protocol):
+    """A strategy's steps, as the loop drives them."""
+
+    steps: int  # optimizer steps per epoch
+    train_acc: steps_lib.Accumulator
+    eval_acc: steps_lib.Accumulator
+    state: tf.train.Checkpoint  # what a checkpoint holds
+    validates: bool  # whether each epoch ends with a pass over the validation rows here
+
+    def start_epoch(self, epoch: int, totals: np.ndarray | None) -> None: ...  # totals: restored sums
+    def train(self, count: int, epoch: int) -> Iterator[Any]: ...  # runs `count` steps; yields each loss (or None)
+    def epoch_totals(self) -> np.ndarray: ...  # this epoch's sums over all replicas so far
+    def epoch_notes(self) -> dict[str, Any]: ...  # extra per-epoch metrics (steps whose metrics were lost)
+    def sync_state(self) -> None: ...  # make per-replica state (BN statistics) agree
+    def validate(self) -> np.ndarray | None: ...  # sums of one pass over the validation rows
+    def checkpoint_options(self) -> tf.train.CheckpointOptions | None: ...
+    def checkpoint_extras(self, local_dir: str) -> dict[str, Any]: ...  # more files and metadata to save
+    def check_restorable(self, meta: dict[str, Any], path: str) -> None: ...
+    def final_checkpoint_needed(self) -> bool: ...
+    def finish(self) -> dict[str, Any]: ...  # save the model; the outcome's strategy-specific part
+
+
+class Position:
+    """Where a loop starts: from scratch, or from a checkpoint (epoch, steps of it done, global step,
+    the finished epochs' metrics, and for a mid-epoch checkpoint the epoch's metric sums so far)."""
+
+    def __init__(self, epoch: int = 1, step_in_epoch: int = 0, global_step: int = 0, history=(), totals=None):
+        self.epoch, self.step_in_epoch, self.global_step, self.history = epoch, step_in_epoch, global_step, history
+        self.totals = totals
+
+
+def run(runner: Runner, payload: WorkerPayload, ctx: TaskContext) -> dict[str, Any]:
+    spec = payload.spec
+    checkpoints = Checkpoints(runner, payload, ctx)
+    position = checkpoints.restore()
+    writer = steps_lib.summary_writer(ctx) if ctx.is_chief and spec.output.tensorboard else None
+    history = list(position.history)
+    global_step = position.global_step
+    every_kind, every = spec.checkpoint.interval
+    for epoch in range(position.epoch, spec.train.epochs + 1):
+        started = time.time()
+        resuming = epoch == position.epoch and position.step_in_epoch > 0
+        runner.start_epoch(epoch, np.asarray(position.totals, np.float64) if resuming and position.totals else None)
+        step = position.step_in_epoch if epoch == position.epoch else 0
+        while step < runner.steps:
+            stop = runner.steps  # the next checkpoint, or the epoch's end
+            if every_kind == "steps":
+                stop = min(runner.steps, step + every - global_step % every)
+            for loss in runner.train(stop - step, epoch):
+                step += 1
+                global_step += 1
+                if loss is not None:
+                    ctx.step(epoch, step, runner.steps, global_step, loss, spec.train.global_batch_size)
+            if every_kind == "steps" and global_step % every == 0 and step < runner.steps:
+                runner.sync_state()
+                checkpoints.save(global_step, epoch, step, history, runner.epoch_totals())
+        runner.sync_state()  # before validation: every worker evaluates, and ends with, the same model
+        metrics = runner.train_acc.results(runner.epoch_totals())
+        metrics.update(runner.epoch_notes())
+        val = None
+        if runner.validates:
+            ctx.phase("validating")
+            val = runner.eval_acc.results(runner.validate())
+        steps_lib.end_epoch(ctx, writer, history, metrics, val, epoch, started, global_step)
+        last = epoch == spec.train.epochs
+        if steps_lib.checkpoint_due(spec.checkpoint.interval, global_step, epoch) or (
+                last and runner.final_checkpoint_needed()):
+            checkpoints.save(global_step, epoch + 1, 0, history)
+    outcome = runner.finish()
+    outcome.update(history=history, steps=global_step, steps_run=global_step - position.global_step)
+    return outcome
+
+
+class Checkpoints:
+    """The runner's state through tf.train.Checkpoint, plus the position and the epoch's metric sums in
+    raytf.json. Every process that runs the loop writes (a MultiWorkerMirrored save may run collectives),
+    each to its own temporary folder; the chief uploads its copy through Storage, which writes raytf.json
+    last (a checkpoint without it is never "latest"), then prunes to checkpoint.keep."""
+
+    def __init__(self, runner: Runner, payload: WorkerPayload, ctx: TaskContext):
+        self.runner, self.payload, self.ctx = runner, payload, ctx
+        self.storage = Storage(payload.checkpoint_dir) if payload.checkpoint_dir else None
+
+    def restore(self) -> Position:
+        resume = self.payload.resume_from
+        if resume is None:
+            return Position()
+        self.ctx.phase("restoring")
+        local = tempfile.mkdtemp(prefix="raytf-restore-")
+        try:
+            try:
+                Storage(self.payload.checkpoint_dir).download(resume, local)
+                with open(os.path.join(local, META)) as f:
+                    meta = json.load(f)
+            except Exception as exc:
+                raise CheckpointCorrupt(resume.path, _first_line(exc)) from None
+            self.runner.check_restorable(meta, resume.path)
+            try:
+                self.runner.state.read(os.path.join(local, "state"), options=self.runner.checkpoint_options()
+                                       ).assert_existing_objects_matched()
+            except Exception as exc:
+                raise CheckpointCorrupt(resume.path, _first_line(exc)) from None
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+        return Position(resume.epoch, resume.step_in_epoch, resume.step, resume.history, meta.get("epoch_totals"))
+
+    def save(self, global_step: int, epoch: int, step_in_epoch: int, history: list,
+             totals: np.ndarray | None = None) -> None:
+        if self.storage is None:
+            return
+        self.ctx.phase("checkpointing")
+        local = tempfile.mkdtemp(prefix="raytf-ckpt-")
+        try:
+            self.runner.state.write(os.path.join(local, "state"), options=self.runner.checkpoint_options())
+            if self.ctx.is_chief:
+                extras = self.runner.checkpoint_extras(local)
+                self.storage.upload(local, {"step": global_step, "epoch": epoch, "step_in_epoch": step_in_epoch,
+                                            "history": history, "world_size": self.ctx.world_size,
+                                            "saved_at": time.time(),
+                                            "epoch_totals": totals.tolist() if totals is not None else None,
+                                            **extras})
+                self.storage.prune(self.payload.spec.checkpoint.keep)
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+        self.ctx.phase("train")
+
+
+def _first_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"

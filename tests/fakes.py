@@ -1,0 +1,197 @@
+"""An in-memory cluster for stepping the controller without Ray or TensorFlow: a fake clock, and
+`FakeResources` / `FakeGroup` implementing raytf.group's interfaces, whose ranks follow scripts
+(train for a while and return, fail, hang) on the fake clock."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Callable
+
+from raytf.errors import PlacementTimeout, PortTaken
+from raytf.group import Finished, TaskError
+from raytf.rendezvous import ActorReport
+
+
+class FakeClock:
+    def __init__(self, start: float = 1_000_000.0):
+        self.t = start
+
+    def now(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += max(0.0, seconds)
+
+
+@dataclasses.dataclass
+class Script:
+    """What one task does once it trains, in seconds after its train call: return at `finish_after`
+    (None: never, as a parameter-server ps or worker serves until stopped), fail at `fail_after` with
+    `error`, or stop making progress from `hang_after`."""
+
+    finish_after: float | None = 5.0
+    fail_after: float | None = None
+    error: TaskError | None = None
+    hang_after: float | None = None
+    steps_per_s: float = 10.0
+    outcome: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def actor_died() -> TaskError:
+    return TaskError("ActorDiedError", "The actor died unexpectedly", True, "actor died (killed)")
+
+
+def user_error(message: str = "boom") -> TaskError:
+    return TaskError("ValueError", message, False, f"ValueError: {message}")
+
+
+def collective_error() -> TaskError:
+    return TaskError("UnavailableError", "Collective ops is aborted by: peer down", False,
+                     "UnavailableError: Collective ops is aborted by: peer down")
+
+
+def checkpoint_corrupt(path: str) -> TaskError:
+    return TaskError("CheckpointCorrupt", f"checkpoint {path} cannot be restored", False,
+                     f"CheckpointCorrupt: checkpoint {path} cannot be restored")
+
+
+class _Handle:
+    _ids = itertools.count()
+
+    def __init__(self, rank: int, script: Script, started: float):
+        self.id, self.rank, self.script, self.started = next(self._ids), rank, script, started
+
+    def event(self) -> tuple[float, str] | None:
+        """(when, 'finish' | 'fail') of this task's end, if it ends."""
+        s = self.script
+        if s.fail_after is not None:
+            return self.started + s.fail_after, "fail"
+        if s.finish_after is not None:
+            return self.started + s.finish_after, "finish"
+        return None
+
+    def __hash__(self):
+        return self.id
+
+    def __eq__(self, other):
+        return self is other
+
+
+class FakeGroup:
+    def __init__(self, world: "FakeResources", bundles: list[dict[str, float]]):
+        self.world, self.bundles, self.clock = world, bundles, world.clock
+        self.attempt = len(world.groups) + 1
+        self.tasks = []
+        self.handles: list[_Handle] = []
+        self.returned: set[_Handle] = set()
+        self.stopped = False
+
+    def start(self, timeout_s: float) -> list[ActorReport]:
+        return [ActorReport(bundle_index=i, node_id=f"node-{i % 2}", node_ip=f"10.0.0.{i % 2 + 1}", port=4000 + i)
+                for i in range(len(self.bundles))]
+
+    def setup(self, tasks, payload, timeout_s: float):
+        self.tasks = tasks
+        if self.world.port_taken_times > 0:
+            self.world.port_taken_times -= 1
+            raise PortTaken(f"rank 1: port {tasks[1].port} on {tasks[1].node_ip} was taken")
+        return []
+
+    def train(self, payload) -> list[_Handle]:
+        self.world.payloads.append(payload)
+        now = self.clock.now()
+        self.handles = [_Handle(t.rank, self.world.script(self.attempt, t), now) for t in self.tasks]
+        return list(self.handles)
+
+    def wait(self, handles: list[_Handle], timeout_s: float) -> list[Finished]:
+        now = self.clock.now()
+        ends = [(h.event(), h) for h in handles if h not in self.returned]
+        due = [(when, kind, h) for (e, h) in ends if e is not None for when, kind in [e] if when <= now + timeout_s]
+        if not due:
+            self.clock.advance(timeout_s)
+            return []
+        first = min(when for when, _, _ in due)
+        self.clock.advance(first - now)
+        out = []
+        for when, kind, h in due:
+            if when <= first:
+                self.returned.add(h)
+                if kind == "fail":
+                    out.append(Finished(h, error=h.script.error))
+                else:
+                    out.append(Finished(h, outcome=self._outcome(h)))
+        return out
+
+    def _outcome(self, h: _Handle) -> dict[str, Any]:
+        steps = int(h.script.finish_after * h.script.steps_per_s)
+        return {"history": [{"epoch": 1, "loss": 0.5, "seconds": 1.0, "step": steps}], "weights_digest": "same",
+                "steps": steps, "steps_run": steps, "first_step_at": h.started + 0.1,
+                "finished_at": h.started + h.script.finish_after, **h.script.outcome}
+
+    def progress(self, timeout_s: float) -> list[dict[str, Any] | None]:
+        now = self.clock.now()
+        out = []
+        for h in sorted(self.handles, key=lambda h: h.rank):
+            if h in self.returned and h.script.fail_after is not None:
+                out.append(None)  # dead
+                continue
+            running = now - h.started
+            if h.script.hang_after is not None:
+                running = min(running, h.script.hang_after)
+            out.append({"phase": "train", "global_step": int(running * h.script.steps_per_s), "epochs": [],
+                        "updated": now})
+        return out
+
+    def replace(self, task, payload, timeout_s: float) -> _Handle:
+        handle = _Handle(task.rank, self.world.replacement(task), self.clock.now())
+        self.world.replaced.append(task.rank)
+        self.handles = [handle if h.rank == task.rank else h for h in self.handles]
+        return handle
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+class FakeResources:
+    """`capacity`: how many bundles the cluster holds for each reservation (an int for all, or a function
+    of the reservation's number); `script(attempt, task)`: what each task does."""
+
+    def __init__(self, clock: FakeClock, script: Callable[[int, Any], Script],
+                 capacity: int | Callable[[int], int] = 1000, port_taken_times: int = 0,
+                 replacement: Callable[[Any], Script] | None = None):
+        self.clock, self.script, self.port_taken_times = clock, script, port_taken_times
+        self.capacity = capacity if callable(capacity) else (lambda n: capacity)
+        self.replacement = replacement or (lambda task: Script(finish_after=None))
+        self.groups: list[FakeGroup] = []
+        self.reservations: list[int] = []  # bundles asked for, per reservation
+        self.released: list[Any] = []
+        self.payloads: list[Any] = []
+        self.replaced: list[int] = []
+        self.pg_alive = True
+
+    def reserve(self, bundles, strategy: str, timeout_s: float, name: str):
+        self.reservations.append(len(bundles))
+        if len(bundles) > self.capacity(len(self.reservations)):
+            self.clock.advance(timeout_s)
+            raise PlacementTimeout(f"placement group not ready after {timeout_s:g}s: asked for {len(bundles)} bundles")
+        return f"pg-{len(self.reservations)}"
+
+    def ready_again(self, pg, timeout_s: float) -> bool:
+        return self.pg_alive
+
+    def release(self, pg) -> None:
+        self.released.append(pg)
+
+    def new_group(self, pg, bundles, env, standby) -> FakeGroup:
+        group = FakeGroup(self, bundles)
+        self.groups.append(group)
+        return group
+
+    def fill_standby(self, pg, env, tasks) -> None:
+        pass
+
+    def take_standby(self, pg, count: int) -> dict:
+        return {}
+
+    def release_standby(self) -> None:
+        pass

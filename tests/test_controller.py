@@ -1,0 +1,216 @@
+"""The controller stepped without Ray or TensorFlow: an in-memory worker group on a fake clock
+(tests/fakes.py). Each test drives a whole job through its states in well under a second."""
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from raytf.checkpoint import Storage
+from raytf.controller import DONE, FAILED, Controller, RUNNING, STARTING
+from raytf.errors import PlacementTimeout, TrainingFailed
+from raytf.policy import Limits
+from raytf.spec import Job, parse
+from tests.conftest import REPO, base_spec
+from tests.fakes import (FakeClock, FakeResources, Script, actor_died, checkpoint_corrupt, collective_error,
+                         user_error)
+
+pytestmark = pytest.mark.timeout(20)
+
+
+def make_job(tmp_path, **sections) -> Job:
+    spec = parse(base_spec(output={"dir": str(tmp_path / "out"), "tensorboard": False}, **sections))
+    return Job(spec=spec, job_dir=tmp_path)
+
+
+def make(tmp_path, script, job, resume=False, **world):
+    clock = FakeClock()
+    resources = FakeResources(clock, script, **world)
+    return Controller(job, resources, env={}, clock=clock, resume=resume), resources, clock
+
+
+def run_fast(c: Controller):
+    started = time.perf_counter()
+    try:
+        return c.run()
+    finally:
+        assert time.perf_counter() - started < 1.0, "a stepped job should take well under a second"
+
+
+def test_a_clean_job_steps_through_its_states_to_done(tmp_path):
+    c, world, clock = make(tmp_path, lambda attempt, task: Script(finish_after=12.0), make_job(tmp_path))
+    states = [c.state]
+    while c.state not in (DONE, FAILED):
+        states.append(c.step())
+    assert states[:3] == ["placing", STARTING, RUNNING] and states[-1] == DONE
+    assert c.result.status == "succeeded" and [t["rank"] for t in c.result.tasks] == [0, 1]
+    assert c.result.restarts == [] and world.groups[0].stopped
+    assert (tmp_path / "out" / "result.json").is_file()
+    c.run()  # nothing left to do; the placement group is let go
+    assert world.released == ["pg-1"]
+
+
+def test_a_hang_is_caught_at_hang_timeout_s(tmp_path):
+    job = make_job(tmp_path, failure={"hang_timeout_s": 30, "max_restarts": 1})
+    script = lambda attempt, task: Script(finish_after=200.0, hang_after=5.0 if attempt == 1 and task.rank == 1 else None)  # noqa: E731
+    c, world, clock = make(tmp_path, script, job)
+    result = run_fast(c)
+    assert result.status == "succeeded" and len(result.restarts) == 1
+    restart = result.restarts[0]
+    assert restart["kind"] == "hang" and restart["ranks"] == [1]
+    assert "no progress from rank(s) [1] for 30s" in restart["reason"]
+    hung_at = clock.t  # the restart's time is the fake clock's when the hang was declared
+    started = world.groups[0].handles[1].started
+    detected_after = restart["time"] - (started + 5.0)
+    assert 30 <= detected_after <= 30 + 2 * Limits().poll_interval_s, detected_after
+    assert hung_at > restart["time"]
+
+
+def test_peer_errors_within_the_grace_are_collected_root_cause_first(tmp_path):
+    def script(attempt, task):
+        if task.rank == 1:
+            return Script(fail_after=3.0, error=user_error("bad batch"))
+        return Script(fail_after=4.0, error=collective_error())  # the peer's broken collective, 1 s later
+
+    c, world, clock = make(tmp_path, script, make_job(tmp_path, failure={"max_restarts": 3}))
+    with pytest.raises(TrainingFailed) as info:
+        run_fast(c)
+    message = str(info.value)
+    assert message.startswith("training failed: rank(s) 1: ValueError: bad batch; then rank(s) 0: UnavailableError")
+    assert info.value.causes == {"ValueError: bad batch": [1],
+                                 "UnavailableError: Collective ops is aborted by: peer down": [0]}
+    assert len(world.groups) == 1  # the job's own error: no restart
+
+
+def test_a_dead_actor_does_not_wait_for_its_peers(tmp_path):
+    def script(attempt, task):
+        if attempt == 1 and task.rank == 1:
+            return Script(fail_after=3.0, error=actor_died())
+        if attempt == 1:
+            return Script(fail_after=4.0, error=collective_error())
+        return Script(finish_after=5.0)
+
+    c, world, clock = make(tmp_path, script, make_job(tmp_path, failure={"max_restarts": 1}))
+    result = run_fast(c)
+    restart = result.restarts[0]
+    assert restart["kind"] == "actor_died" and "then" not in restart["reason"]  # the peer was not waited for
+    assert restart["time"] == world.groups[0].handles[1].started + 3.0
+
+
+def test_a_taken_port_reruns_the_rendezvous(tmp_path):
+    c, world, _ = make(tmp_path, lambda a, t: Script(), make_job(tmp_path), port_taken_times=1)
+    result = run_fast(c)
+    assert result.status == "succeeded" and result.rendezvous_attempts == 2 and len(world.groups) == 2
+    assert world.groups[0].stopped
+
+
+def test_a_port_taken_every_time_fails_the_attempt_after_the_rendezvous_limit(tmp_path):
+    c, world, _ = make(tmp_path, lambda a, t: Script(), make_job(tmp_path), port_taken_times=99)
+    with pytest.raises(TrainingFailed, match="was taken"):
+        run_fast(c)
+    assert len(world.groups) == Limits().rendezvous_attempts
+
+
+def _checkpoints(tmp_path, steps):
+    storage = Storage(str(tmp_path / "ckpt"))
+    for step in steps:
+        local = tmp_path / f"local-{step}"
+        local.mkdir()
+        (local / "state").write_text("x")
+        storage.upload(str(local), {"step": step, "epoch": 1, "step_in_epoch": step, "history": [], "world_size": 2})
+    return storage
+
+
+def test_a_corrupt_checkpoint_falls_back_to_the_one_before_free_of_charge(tmp_path):
+    storage = _checkpoints(tmp_path, [10, 20])
+    latest = storage.latest()
+
+    def script(attempt, task):
+        if attempt == 1 and task.rank == 0:
+            return Script(fail_after=0.5, error=checkpoint_corrupt(latest.path))
+        return Script(finish_after=5.0)
+
+    job = make_job(tmp_path, checkpoint={"dir": str(tmp_path / "ckpt")}, failure={"max_restarts": 0})
+    c, world, _ = make(tmp_path, script, job, resume=True)
+    result = run_fast(c)
+    assert [p.resume_from.step for p in world.payloads] == [20, 10]
+    assert result.restarts[0]["kind"] == "checkpoint" and result.restarts[0]["resumed_from_step"] == 10
+    assert result.status == "succeeded"  # max_restarts 0: the fallback was not charged
+
+
+def test_an_elastic_restart_shrinks_to_what_the_cluster_holds(tmp_path):
+    job = make_job(tmp_path, train={"global_batch_size": 24},
+                   cluster={"workers": 4, "cpus_per_worker": 0.5, "reserve_timeout_s": 30},
+                   failure={"max_restarts": 1, "elastic": {"min_workers": 2}})
+
+    def script(attempt, task):
+        return Script(fail_after=2.0, error=actor_died()) if attempt == 1 and task.rank == 3 else Script()
+
+    world_capacity = lambda reservation: 4 if reservation == 1 else 3  # noqa: E731  (a node went away)
+    c, world, _ = make(tmp_path, script, job, capacity=world_capacity)
+    world.pg_alive = False  # the held group cannot come back whole
+    result = run_fast(c)
+    assert world.reservations == [4, 4, 3]  # full size first, then 3 (3 divides 24)
+    assert result.workers == 3 and result.restarts[0]["workers"] == 3
+    assert world.payloads[-1].spec.cluster.workers == 3 and len(result.tasks) == 3
+
+
+def test_without_elastic_a_cluster_too_small_is_exit_3(tmp_path):
+    c, world, _ = make(tmp_path, lambda a, t: Script(), make_job(tmp_path), capacity=1)
+    with pytest.raises(PlacementTimeout):
+        run_fast(c)
+
+
+def test_a_parameter_server_worker_is_replaced_and_taken_back(tmp_path):
+    job = make_job(tmp_path, strategy="parameter_server", cluster={"workers": 2, "ps": 1, "cpus_per_worker": 0.5})
+
+    def script(attempt, task):
+        if task.role == "chief":
+            return Script(finish_after=10.0, outcome={"recovered_workers": ["/job:worker/replica:0/task:1"]})
+        if task.role == "worker" and task.index == 1:
+            return Script(finish_after=None, fail_after=2.0, error=actor_died())
+        return Script(finish_after=None)  # ps and workers serve until stopped
+
+    c, world, _ = make(tmp_path, script, job)
+    result = run_fast(c)
+    assert result.status == "succeeded" and result.restarts == []
+    assert world.replaced == [3]  # rank 3 = worker 1 (chief, ps, worker 0, worker 1)
+    assert len(result.worker_losses) == 1
+    loss = result.worker_losses[0]
+    assert loss["worker"] == 1 and loss["replaced"] is True and loss["rejoined"] is True
+
+
+def test_a_dead_ps_task_fails_the_attempt_naming_it(tmp_path):
+    job = make_job(tmp_path, strategy="parameter_server", cluster={"workers": 1, "ps": 1, "cpus_per_worker": 0.5})
+
+    def script(attempt, task):
+        if task.role == "ps":
+            return Script(finish_after=None, fail_after=1.0, error=actor_died())
+        return Script(finish_after=None if task.role != "chief" else 10.0)
+
+    c, world, _ = make(tmp_path, script, job)
+    with pytest.raises(TrainingFailed, match=r"ps 0 \(rank 1, 10.0.0.2\): rank\(s\) 1: actor died"):
+        run_fast(c)
+
+
+def test_the_restart_budget_runs_out(tmp_path):
+    script = lambda attempt, task: Script(fail_after=1.0, error=actor_died()) if task.rank == 1 else Script(finish_after=60)  # noqa: E731
+    c, world, _ = make(tmp_path, script, make_job(tmp_path, failure={"max_restarts": 2}))
+    with pytest.raises(TrainingFailed, match=r"failure.max_restarts \(2\) used up"):
+        run_fast(c)
+    assert len(world.groups) == 3 and all(g.stopped for g in world.groups)
+    saved = (tmp_path / "out" / "result.json").read_text()
+    assert saved.count('"kind": "actor_died"') == 2  # the decision log: two restarts, then the end
+
+
+def test_the_driver_side_imports_neither_ray_nor_tensorflow():
+    """The controller, the policies, the backends and the spec in a fresh interpreter."""
+    code = textwrap.dedent("""
+        import sys
+        import raytf, raytf.cli, raytf.spec, raytf.controller, raytf.policy, raytf.backends, raytf.rendezvous
+        import raytf.failure, raytf.report, raytf.sweep, raytf.quiet
+        print(sorted(m for m in ("tensorflow", "keras", "ray") if m in sys.modules))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "[]", proc.stdout + proc.stderr
