@@ -45,9 +45,10 @@ def _kill_when(read_progress, stop: threading.Event, record: dict) -> None:
 
 def run_raytf(work: Path) -> dict:
     import ray
-    import raytf
-    from raytf import controller, spec
-    from raytf.ray_group import RayWorkerGroup
+
+    from raytf import spec
+    from raytf.driver import controller
+    from raytf.driver.ray_group import RayWorkerGroup
 
     job_spec = yaml.safe_load((REPO / "jobs" / "digits.yaml").read_text())
     job_spec.update(train={"epochs": EPOCHS, "global_batch_size": BATCH, "seed": 0},

@@ -6,8 +6,9 @@ import sys
 import tempfile
 import time
 
-from raytf import controller, spec
-from raytf.worker_api import TaskContext
+from raytf import spec
+from raytf.actor.context import TaskContext
+from raytf.driver import controller
 
 
 def main(job_file: str, overrides_json: str) -> None:
@@ -20,7 +21,7 @@ def main(job_file: str, overrides_json: str) -> None:
     payload = payload.__class__(spec=payload.spec, train_data=payload.train_data,
                                 train_root=job.data_path(job.spec.data.train), val_data=payload.val_data,
                                 val_root=job.data_path(job.spec.data.validation) if job.spec.data.validation else None)
-    from raytf.strategies import mirrored
+    from raytf.actor import mirrored
 
     config = json.loads(os.environ["TF_CONFIG"])
     ctx = TaskContext(config["task"]["index"], len(config["cluster"]["worker"]), payload.spec, tempfile.mkdtemp(),

@@ -8,8 +8,14 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from raytf.errors import PlacementTimeout, RaytfError, SpecError, TrainingFailed, WorkerStartupError
-from raytf.report import ProgressDisplay, Result
+from raytf.driver.report import ProgressDisplay, Result
+from raytf.errors import (
+    PlacementTimeout,
+    RaytfError,
+    SpecError,
+    TrainingFailed,
+    WorkerStartupError,
+)
 from raytf.spec import Job, JobSpec
 
 __version__ = "0.1.0"
@@ -27,7 +33,8 @@ def fit(spec_or_path: "str | Mapping[str, Any] | JobSpec | Job", overrides: Mapp
     latest checkpoint in checkpoint.dir (without it, a checkpoint.dir that holds checkpoints is an error).
     `verbose`: Ray's and TensorFlow's own output too (the workers' logs, TensorFlow's start-up lines).
     """
-    from raytf import packaging, quiet, spec as spec_lib
+    from raytf import spec as spec_lib
+    from raytf.driver import packaging, quiet
 
     merged = dict(overrides or {})
     merged.update({k.replace("__", "."): v for k, v in dotted_overrides.items()})
@@ -36,8 +43,8 @@ def fit(spec_or_path: "str | Mapping[str, Any] | JobSpec | Job", overrides: Mapp
     packaging.check_job_folder(job)
     display = display or ProgressDisplay(quiet=True)
 
-    from raytf import controller  # Ray: only once the spec is known to be good
-    from raytf.session import ray_session
+    from raytf.driver import controller  # Ray: only once the spec is known to be good
+    from raytf.driver.session import ray_session
 
     with ray_session(address, verbose) as logs_hint:
         if logs_hint:
@@ -55,7 +62,8 @@ def tune(sweep_or_path: "str | Mapping[str, Any]", overrides: Mapping[str, Any] 
     `fit`; `tune.space.<spec key>` sets one dimension. Every point is validated before any trial starts
     (SpecError). `resume` continues a stopped sweep in the same output.dir. Ray and `verbose` as for `fit`.
     """
-    from raytf import packaging, quiet, tuner
+    from raytf import tuner
+    from raytf.driver import packaging, quiet
 
     merged = dict(overrides or {})
     merged.update({k.replace("__", "."): v for k, v in dotted_overrides.items()})
@@ -64,7 +72,7 @@ def tune(sweep_or_path: "str | Mapping[str, Any]", overrides: Mapping[str, Any] 
     packaging.check_job_folder(plan.base)
     display = display or ProgressDisplay(quiet=True)
 
-    from raytf.session import ray_session
+    from raytf.driver.session import ray_session
 
     with ray_session(address, verbose) as logs_hint:
         if logs_hint:

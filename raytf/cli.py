@@ -13,7 +13,6 @@ import click
 
 from raytf.errors import RaytfError
 
-
 _VERBOSE_HELP = ("Also show Ray's and TensorFlow's own output: the workers' logs, TensorFlow's start-up lines "
                  "(by default only raytf's lines; the workers' logs stay in Ray's session folder).")
 
@@ -53,7 +52,7 @@ def run(job_file: str, address: str | None, settings: tuple[str, ...], quiet: bo
         verbose: bool) -> None:
     """Train the job in JOB_FILE (YAML) on the Ray cluster."""
     from raytf import fit
-    from raytf.report import ProgressDisplay
+    from raytf.driver.report import ProgressDisplay
     from raytf.spec import parse_set_options
 
     display = ProgressDisplay(quiet=quiet)
@@ -114,7 +113,7 @@ def tune_command(sweep_file: str, address: str | None, settings: tuple[str, ...]
 
     Exit codes as for `run`; 1 also when no trial completed, 130 when interrupted (--resume continues)."""
     from raytf import tune
-    from raytf.report import ProgressDisplay
+    from raytf.driver.report import ProgressDisplay
     from raytf.spec import parse_set_options
 
     with _exit_on_error("raytf: interrupted; `raytf tune --resume` continues the sweep"):

@@ -28,7 +28,8 @@ import requests
 from ray.exceptions import AuthenticationError
 from ray.job_submission import JobDetails, JobStatus, JobSubmissionClient
 
-from raytf import packaging, session, spec as spec_lib
+from raytf import spec as spec_lib
+from raytf.driver import packaging, session
 from raytf.errors import RaytfError, SpecError
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"  # where `ray dashboard cluster.yaml` forwards the head's dashboard

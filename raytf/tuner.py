@@ -21,9 +21,11 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from raytf import packaging, placement, spec as spec_lib, sweep, sweep_report
+from raytf import spec as spec_lib
+from raytf import sweep, sweep_report
+from raytf.driver import packaging, placement
+from raytf.driver.report import ProgressDisplay
 from raytf.errors import PlacementTimeout, SpecError
-from raytf.report import ProgressDisplay
 from raytf.spec import Job, JobSpec
 from raytf.sweep_report import SweepResult
 
@@ -134,8 +136,8 @@ def _run_trial(config: dict[str, Any], jobs: dict[str, Job], code_env: dict[str,
     import ray
     from ray import tune
 
-    from raytf import controller
     from raytf.checkpoint import Storage
+    from raytf.driver import controller
 
     job = jobs[config["point"]]
     last_epoch = job.spec.train.epochs

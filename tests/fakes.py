@@ -1,5 +1,5 @@
 """An in-memory cluster for stepping the controller without Ray or TensorFlow: a fake clock, and
-`FakeResources` / `FakeGroup` implementing raytf.group's interfaces, whose ranks follow scripts
+`FakeResources` / `FakeGroup` implementing raytf.driver.group's interfaces, whose ranks follow scripts
 (train for a while and return, fail, hang) on the fake clock."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import dataclasses
 import itertools
 from typing import Any, Callable
 
+from raytf.driver.group import Finished, TaskError
 from raytf.errors import PlacementTimeout, PortTaken
-from raytf.group import Finished, TaskError
 from raytf.rendezvous import ActorReport
 
 

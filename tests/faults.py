@@ -7,7 +7,7 @@ import time
 
 import ray
 
-from raytf.ray_group import RayWorkerGroup
+from raytf.driver.ray_group import RayWorkerGroup
 
 
 class Killer:

@@ -12,9 +12,9 @@ import pytest
 import ray
 
 import raytf
-from raytf import controller
+from raytf.driver import controller
+from raytf.driver.ray_group import RayWorkerGroup
 from raytf.errors import PlacementTimeout, TrainingFailed
-from raytf.ray_group import RayWorkerGroup
 from raytf.spec import load
 from tests.conftest import REPO, assert_nothing_left, base_spec, write_job
 

@@ -8,13 +8,20 @@ import time
 import pytest
 
 from raytf.checkpoint import Storage
-from raytf.controller import DONE, FAILED, Controller, RUNNING, STARTING
+from raytf.driver.controller import DONE, FAILED, RUNNING, STARTING, Controller
+from raytf.driver.policy import Limits
 from raytf.errors import PlacementTimeout, TrainingFailed
-from raytf.policy import Limits
 from raytf.spec import Job, parse
 from tests.conftest import REPO, base_spec
-from tests.fakes import (FakeClock, FakeResources, Script, actor_died, checkpoint_corrupt, collective_error,
-                         user_error)
+from tests.fakes import (
+    FakeClock,
+    FakeResources,
+    Script,
+    actor_died,
+    checkpoint_corrupt,
+    collective_error,
+    user_error,
+)
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -208,8 +215,8 @@ def test_the_driver_side_imports_neither_ray_nor_tensorflow():
     """The controller, the policies, the backends and the spec in a fresh interpreter."""
     code = textwrap.dedent("""
         import sys
-        import raytf, raytf.cli, raytf.spec, raytf.controller, raytf.policy, raytf.backends, raytf.rendezvous
-        import raytf.failure, raytf.report, raytf.sweep, raytf.quiet
+        import raytf, raytf.cli, raytf.spec, raytf.driver.controller, raytf.driver.policy, raytf.backends, raytf.rendezvous
+        import raytf.driver.failure, raytf.driver.report, raytf.sweep, raytf.driver.quiet
         print(sorted(m for m in ("tensorflow", "keras", "ray") if m in sys.modules))
     """)
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -1,7 +1,14 @@
 """Failure classification and the restart policy are pure."""
 import pytest
 
-from raytf.failure import Failure, RankError, aggregate, classify, decide, elastic_sizes
+from raytf.driver.failure import (
+    Failure,
+    RankError,
+    aggregate,
+    classify,
+    decide,
+    elastic_sizes,
+)
 
 
 def test_classify_tells_infrastructure_from_user_errors():
@@ -42,7 +49,7 @@ def test_elastic_sizes_keep_the_global_batch_divisible():
 
 
 def test_error_summaries_keep_the_line_that_names_the_cause():
-    from raytf.ray_group import summary
+    from raytf.driver.ray_group import summary
 
     assert summary("FileNotFoundError: no such file\n\t [[{{node IteratorGetNext}}]]") == \
         "FileNotFoundError: no such file"

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 import raytf
 from raytf.checkpoint import Storage
 from raytf.cli import main
-from raytf.controller import run
+from raytf.driver.controller import run
 from raytf.errors import SpecError, TrainingFailed
 from raytf.spec import load
 from tests.conftest import assert_nothing_left, base_spec, write_job

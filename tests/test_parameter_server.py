@@ -5,7 +5,7 @@ import textwrap
 import keras
 import pytest
 
-from raytf.controller import run
+from raytf.driver.controller import run
 from raytf.errors import TrainingFailed
 from raytf.spec import load
 from raytf.synthetic import criteo_like

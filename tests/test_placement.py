@@ -1,5 +1,5 @@
 """The shortage message says what was asked, what the cluster has, and what to change."""
-from raytf.placement import shortage_message, worker_bundles
+from raytf.driver.placement import shortage_message, worker_bundles
 from raytf.spec import ClusterSpec
 
 
@@ -33,7 +33,7 @@ def test_busy_cluster_says_so():
 
 
 def test_a_parameter_server_job_has_a_chief_ps_and_worker_bundles_in_that_order():
-    from raytf.placement import bundle_roles, job_bundles
+    from raytf.driver.placement import bundle_roles, job_bundles
     from raytf.spec import parse
     from tests.conftest import base_spec
 

@@ -186,7 +186,7 @@ def test_verbose_brings_tensorflows_own_lines_back():
 
 
 def test_only_noise_is_filtered_from_stderr():
-    from raytf.quiet import without_noise
+    from raytf.driver.quiet import without_noise
 
     text = ("WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n"
             "I0000 00:00:1796282571.561262    4290 port.cc:153] oneDNN custom operations are on.\n"
@@ -199,8 +199,8 @@ def test_only_noise_is_filtered_from_stderr():
 
 
 def test_a_job_folder_over_the_limit_names_its_largest_files_and_the_fix(tmp_path):
+    from raytf.driver.packaging import check_size
     from raytf.errors import SpecError
-    from raytf.packaging import check_size
 
     (tmp_path / "big.bin").write_bytes(b"x" * 3000)
     (tmp_path / "small.py").write_text("x = 1\n")
@@ -216,7 +216,7 @@ def test_a_job_folder_over_the_limit_names_its_largest_files_and_the_fix(tmp_pat
 
 
 def test_an_explicit_address_sends_the_users_token(monkeypatch, tmp_path):
-    from raytf.session import auth_mode_for
+    from raytf.driver.session import auth_mode_for
 
     for var in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
         monkeypatch.delenv(var, raising=False)

@@ -28,7 +28,7 @@ class Backend:
     """The driver's half of a strategy. Subclasses fill in the roles and the rules."""
 
     name: str = ""
-    actor_module: str = ""  # the actor's half: raytf.strategies.<name>, imported inside the actor only
+    actor_module: str = ""  # the actor's half: raytf.actor.<name>, imported inside the actor only
     supports_standby: bool = False  # warm processes can take a restarted task's place
     supports_elastic: bool = False  # a restart may go on with fewer workers
     supervision: dict[str, RoleSupervision] = {}

@@ -3,7 +3,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from raytf.backends.base import Backend, RoleSupervision, nearest_multiples, worker_bundle
+from raytf.backends.base import (
+    Backend,
+    RoleSupervision,
+    nearest_multiples,
+    worker_bundle,
+)
 
 if TYPE_CHECKING:
     from raytf.rendezvous import ActorReport, Task
@@ -15,7 +20,7 @@ PS_KEYS = ("ps", "cpus_per_ps", "cpus_per_chief", "evaluator", "variable_partiti
 
 class Mirrored(Backend):
     name = "mirrored"
-    actor_module = "raytf.strategies.mirrored"
+    actor_module = "raytf.actor.mirrored"
     supports_standby = True
     supports_elastic = True
     # A worker that dies leaves its peers hanging in a collective: any failure ends the attempt.

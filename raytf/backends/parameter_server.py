@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from raytf.backends.base import Backend, RoleSupervision, nearest_multiples, worker_bundle
+from raytf.backends.base import (
+    Backend,
+    RoleSupervision,
+    nearest_multiples,
+    worker_bundle,
+)
 
 if TYPE_CHECKING:
     from raytf.rendezvous import ActorReport, Task
@@ -13,7 +18,7 @@ if TYPE_CHECKING:
 
 class ParameterServer(Backend):
     name = "parameter_server"
-    actor_module = "raytf.strategies.parameter_server"
+    actor_module = "raytf.actor.parameter_server"
     # TF 2.21's ClusterCoordinator keeps its workers' addresses for life, so a lost worker is replaced at
     # its address rather than the job restarted; the chief and the ps tasks hold the job's state.
     supervision = {

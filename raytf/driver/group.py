@@ -1,5 +1,5 @@
 """The actors of one attempt, and the cluster resources they run in, as the controller sees them: the
-interfaces it steps over. raytf.ray_group implements them on Ray (one TaskActor per placement-group
+interfaces it steps over. raytf.driver.ray_group implements them on Ray (one TaskActor per placement-group
 bundle); tests/fakes.py has an in-memory pair. No Ray here, so the controller can be stepped without it.
 
 Every call that waits takes a deadline; a deadline passed is an error that names the ranks or bundles
@@ -11,8 +11,8 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from raytf.actor.context import WorkerPayload
     from raytf.rendezvous import ActorReport, Task
-    from raytf.worker_api import WorkerPayload
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Literal
 
-from raytf import failure as failure_lib
-from raytf.failure import Failure
+from raytf.driver import failure as failure_lib
+from raytf.driver.failure import Failure
 
 if TYPE_CHECKING:
     from raytf.spec import JobSpec

@@ -17,8 +17,8 @@ from typing import Any
 
 import ray
 
+from raytf.actor.context import TaskContext, WorkerPayload
 from raytf.rendezvous import ActorReport, Task
-from raytf.worker_api import TaskContext, WorkerPayload
 
 
 class TaskActor:
@@ -36,7 +36,7 @@ class TaskActor:
         self._ctx: TaskContext | None = None
         self._task: Task | None = None
         self._adopted_gpus: tuple[str, ...] | None = None
-        self._backend = None  # the strategy's actor half (raytf.strategies.<name>), imported in setup
+        self._backend = None  # the strategy's actor half (raytf.actor.<name>), imported in setup
         self._started = None  # what it started: the strategy, or a parameter-server task's TF server
         self._staging = tempfile.mkdtemp(prefix="raytf-task-")
         # Import TensorFlow while the rendezvous goes on (seconds of CPU; reading TF_CONFIG and starting

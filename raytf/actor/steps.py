@@ -18,8 +18,8 @@ import os
 import time
 from typing import Any, Callable
 
-import tensorflow as tf
 import keras
+import tensorflow as tf
 
 from raytf.spec import JobSpec
 

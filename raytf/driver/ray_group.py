@@ -10,12 +10,12 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raytf import placement
+from raytf.actor.context import WorkerPayload
+from raytf.actor.task_actor import TaskActor
+from raytf.driver import placement
+from raytf.driver.group import Finished, TaskError
 from raytf.errors import PortTaken, WorkerStartupError
-from raytf.group import Finished, TaskError
 from raytf.rendezvous import ActorReport, Task, tf_config
-from raytf.worker import TaskActor
-from raytf.worker_api import WorkerPayload
 
 _RemoteTaskActor = ray.remote(TaskActor)
 

@@ -1,8 +1,8 @@
 """One job as a state machine: placing -> starting -> running -> (restarting -> placing ...) -> done | failed.
 
 `Controller.step()` advances one state (while running: one poll of the tasks). What to do is decided by
-the policies (raytf.policy: restarts, elastic sizes, replacements, hangs, every number in `Limits`); how
-is the `Resources` and `WorkerGroup` interfaces (raytf.group; Ray's implementation in raytf.ray_group,
+the policies (raytf.driver.policy: restarts, elastic sizes, replacements, hangs, every number in `Limits`); how
+is the `Resources` and `WorkerGroup` interfaces (raytf.driver.group; Ray's implementation in raytf.driver.ray_group,
 an in-memory one in tests/fakes.py) and an injected clock, so a unit test can step a job without Ray or TensorFlow. What
 differs between strategies is asked of the job's backend (raytf.backends). The controller owns every
 actor and placement group it creates and frees them on every path out (success, failure, Ctrl-C).
@@ -16,17 +16,30 @@ import time
 from typing import Any, Callable
 
 from raytf import backends
-from raytf import failure as failure_lib
+from raytf.actor.context import WorkerPayload
 from raytf.checkpoint import Storage
-from raytf.errors import PlacementTimeout, PortTaken, SpecError, TrainingFailed, WorkerStartupError
-from raytf.failure import Failure
-from raytf.group import Finished, Resources, TaskError, WorkerGroup
-from raytf.packaging import runtime_env, upload_code
-from raytf.policy import Limits, ReplacementPolicy, RestartPolicy, ScalingPolicy, peer_grace_s, stalled
+from raytf.driver import failure as failure_lib
+from raytf.driver.failure import Failure
+from raytf.driver.group import Finished, Resources, TaskError, WorkerGroup
+from raytf.driver.packaging import runtime_env, upload_code
+from raytf.driver.policy import (
+    Limits,
+    ReplacementPolicy,
+    RestartPolicy,
+    ScalingPolicy,
+    peer_grace_s,
+    stalled,
+)
+from raytf.driver.report import ProgressDisplay, Result, summary_table, write_artifacts
+from raytf.errors import (
+    PlacementTimeout,
+    PortTaken,
+    SpecError,
+    TrainingFailed,
+    WorkerStartupError,
+)
 from raytf.rendezvous import Task
-from raytf.report import ProgressDisplay, Result, summary_table, write_artifacts
 from raytf.spec import Job
-from raytf.worker_api import WorkerPayload
 
 PLACING, STARTING, RUNNING, RESTARTING, DONE, FAILED = "placing", "starting", "running", "restarting", "done", "failed"
 
@@ -475,7 +488,7 @@ def run(job: Job, group_cls: Callable[..., WorkerGroup] | None = None,
     (by default Ray's, with `group_cls` for the attempts' actors: a RayWorkerGroup or a subclass)."""
     spec = job.spec
     if resources is None:
-        from raytf.ray_group import RayResources, RayWorkerGroup
+        from raytf.driver.ray_group import RayResources, RayWorkerGroup
 
         standby = spec.failure.standby and spec.failure.max_restarts > 0
         resources = RayResources(group_cls or RayWorkerGroup, standby_enabled=standby,

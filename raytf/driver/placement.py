@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    remove_placement_group,
+)
 
 from raytf import backends
 from raytf.backends.base import worker_bundle

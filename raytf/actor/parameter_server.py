@@ -24,18 +24,20 @@ import threading
 import time
 from typing import Any, Iterator
 
+import keras
 import numpy as np
 import tensorflow as tf
-import keras
-from tensorflow.python.distribute.coordinator.cluster_coordinator import PSUnavailableError
+from tensorflow.python.distribute.coordinator.cluster_coordinator import (
+    PSUnavailableError,
+)
 from tensorflow.python.distribute.sharded_variable import ShardedVariable
 
 from raytf import data
+from raytf.actor import loop
+from raytf.actor import steps as steps_lib
+from raytf.actor.context import TaskContext, WorkerPayload
 from raytf.checkpoint import CheckpointInfo, Storage
 from raytf.spec import JobSpec, PartitionerSpec
-from raytf.strategies import loop
-from raytf.strategies import steps as steps_lib
-from raytf.worker_api import TaskContext, WorkerPayload
 
 CHIEF_DEVICE = "/job:chief/replica:0/task:0/device:CPU:0"
 WEIGHTS_FILE = "weights.npz"  # every checkpoint's full weights, for the evaluator

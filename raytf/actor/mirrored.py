@@ -1,4 +1,4 @@
-"""The actor's half of the mirrored backend: raytf's loop (raytf.strategies.loop) under
+"""The actor's half of the mirrored backend: raytf's loop (raytf.actor.loop) under
 MultiWorkerMirroredStrategy (Keras 3 `model.fit` fails under it on TF 2.21), and `train_fn` loops.
 
 Runs inside every worker actor, after TF_CONFIG is set and the strategy is built. All workers execute
@@ -16,10 +16,9 @@ import numpy as np
 import tensorflow as tf
 
 from raytf import data
-from raytf.strategies import loop
-from raytf.strategies import steps as steps_lib
-from raytf.worker_api import TaskContext, WorkerPayload
-
+from raytf.actor import loop
+from raytf.actor import steps as steps_lib
+from raytf.actor.context import TaskContext, WorkerPayload
 
 # ---------------------------------------------------------------- the actor's half of the backend
 

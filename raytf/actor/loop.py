@@ -19,10 +19,10 @@ from typing import Any, Iterator, Protocol
 import numpy as np
 import tensorflow as tf
 
+from raytf.actor import steps as steps_lib
+from raytf.actor.context import TaskContext, WorkerPayload
 from raytf.checkpoint import META, Storage
 from raytf.errors import CheckpointCorrupt
-from raytf.strategies import steps as steps_lib
-from raytf.worker_api import TaskContext, WorkerPayload
 
 
 class Runner(Protocol):

@@ -20,7 +20,7 @@ ALWAYS_EXCLUDED = [".git", "__pycache__"]
 
 # Ray logs each package it creates and pushes at INFO ("Creating a file package ...", "Pushing file
 # package ..."); raytf says what it uploads itself, so Ray's lines show with --verbose only.
-_quiet_logger = logging.getLogger("raytf.packaging.ray")
+_quiet_logger = logging.getLogger("raytf.driver.packaging.ray")
 _quiet_logger.setLevel(logging.WARNING)
 
 
