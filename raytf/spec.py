@@ -193,6 +193,8 @@ class JobSpec(_Strict):
     def _consistent(self) -> "JobSpec":
         from raytf import backends
 
+        backend = backends.get(self.strategy)
+        backend.check(self)  # first: a key the strategy refuses is named as such
         if self.train_fn is None:
             if self.model is None:
                 raise ValueError("model: missing; name the function that builds the model, e.g. model: digits:build_model")
@@ -212,7 +214,7 @@ class JobSpec(_Strict):
         if elastic is not None and elastic.min_workers > self.cluster.workers:
             raise ValueError(f"failure.elastic.min_workers {elastic.min_workers} is more than cluster.workers "
                              f"{self.cluster.workers}; use at most {self.cluster.workers}")
-        backends.get(self.strategy).check(self)  # the strategy's own rules, batch divisibility among them
+        backend.check_batch(self)
         return self
 
 

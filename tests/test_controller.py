@@ -105,6 +105,36 @@ def test_a_dead_actor_does_not_wait_for_its_peers(tmp_path):
     assert restart["time"] == world.groups[0].handles[1].started + 3.0
 
 
+def test_ranks_that_die_together_are_all_named(tmp_path):
+    """A node with two ranks goes away: both deaths arrive in one poll, and both ranks are named."""
+    def script(attempt, task):
+        return Script(fail_after=3.0, error=actor_died()) if attempt == 1 else Script()
+
+    job = make_job(tmp_path, cluster={"workers": 3, "cpus_per_worker": 0.5}, train={"global_batch_size": 63},
+                   failure={"max_restarts": 1})
+    c, world, clock = make(tmp_path, script, job)
+    result = run_fast(c)
+    assert result.restarts[0]["ranks"] == [0, 1, 2] and result.restarts[0]["kind"] == "actor_died"
+
+
+def test_a_parameter_server_failure_is_not_blamed_on_a_worker_lost_meanwhile(tmp_path):
+    """A ps task fails; a worker dies within the grace: the worker is a loss to replace, not the cause."""
+    job = make_job(tmp_path, strategy="parameter_server", cluster={"workers": 1, "ps": 1, "cpus_per_worker": 0.5})
+
+    def script(attempt, task):
+        if task.role == "ps":
+            return Script(finish_after=None, fail_after=1.0, error=collective_error())
+        if task.role == "worker":
+            return Script(finish_after=None, fail_after=1.5, error=actor_died())
+        return Script(finish_after=10.0)
+
+    c, world, _ = make(tmp_path, script, job)
+    with pytest.raises(TrainingFailed) as info:
+        run_fast(c)
+    assert str(info.value).startswith("training failed: ps 0 (rank 1, 10.0.0.2): rank(s) 1: UnavailableError")
+    assert "actor died" not in str(info.value)
+
+
 def test_a_taken_port_reruns_the_rendezvous(tmp_path):
     c, world, _ = make(tmp_path, lambda a, t: Script(), make_job(tmp_path), port_taken_times=1)
     result = run_fast(c)

@@ -6,9 +6,9 @@ from raytf.driver.failure import (
     RankError,
     aggregate,
     classify,
-    decide,
     elastic_sizes,
 )
+from raytf.driver.policy import RestartPolicy
 
 
 def test_classify_tells_infrastructure_from_user_errors():
@@ -37,9 +37,14 @@ def test_identical_errors_are_grouped_by_rank():
     ("actor_died", 0, 2, True), ("hang", 1, 2, True), ("collective", 2, 2, False),
     ("error", 0, 5, False), ("startup", 0, 0, False),
 ])
-def test_decide(kind, done, allowed, restart):
+def test_the_restart_policy(kind, done, allowed, restart):
     failure = Failure(kind=kind, message="m", ranks=(0,), causes={})
-    assert decide(failure, done, allowed).restart is restart
+    assert (RestartPolicy(allowed).decide(failure, done).action == "restart") is restart
+
+
+def test_a_corrupt_checkpoint_is_a_free_restart():
+    decision = RestartPolicy(0).decide(Failure(kind="checkpoint", message="m", ranks=(0,), causes={}), 0)
+    assert decision.action == "restart" and decision.charged is False
 
 
 def test_elastic_sizes_keep_the_global_batch_divisible():

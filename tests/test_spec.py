@@ -81,6 +81,9 @@ def test_parameter_server_specs_are_checked():
     assert "XLA cannot compile a step whose variables live on the ps tasks" in error_of(ps(train={"jit_compile": True}))
     assert "ClusterCoordinator sends each step to whichever worker is free" in error_of(ps(data={"remainder": "pad"}))
     assert "failure.elastic is not supported" in error_of(ps(failure={"elastic": {"min_workers": 1}}))
+    # the strategy's refusals come before the general rules a refused key would also break
+    assert "dataset_fn is not supported" in error_of(ps(data=None, dataset_fn="tmodel:ds"))
+    assert "failure.elastic is not supported" in error_of(ps(failure={"elastic": {"min_workers": 5}}))
     assert "cluster.gpu_placement: per_node is not supported" in error_of(
         ps(cluster={"ps": 1, "gpu_placement": "per_node", "gpus_per_worker": 2}))
     # Tune: an evaluator's val_* come after the epochs, so a sweep cannot rank trials by them

@@ -78,7 +78,7 @@ def run(runner: Runner, payload: WorkerPayload, ctx: TaskContext) -> dict[str, A
                 global_step += 1
                 if loss is not None:
                     ctx.step(epoch, step, runner.steps, global_step, loss, spec.train.global_batch_size)
-            if every_kind == "steps" and global_step % every == 0 and step < runner.steps:
+            if checkpoints.enabled and every_kind == "steps" and global_step % every == 0 and step < runner.steps:
                 runner.sync_state()
                 checkpoints.save(global_step, epoch, step, history, runner.epoch_totals())
         runner.sync_state()  # before validation: every worker evaluates, and ends with, the same model
@@ -107,6 +107,10 @@ class Checkpoints:
     def __init__(self, runner: Runner, payload: WorkerPayload, ctx: TaskContext):
         self.runner, self.payload, self.ctx = runner, payload, ctx
         self.storage = Storage(payload.checkpoint_dir) if payload.checkpoint_dir else None
+
+    @property
+    def enabled(self) -> bool:
+        return self.storage is not None
 
     def restore(self) -> Position:
         resume = self.payload.resume_from

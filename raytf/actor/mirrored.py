@@ -3,7 +3,8 @@ MultiWorkerMirroredStrategy (Keras 3 `model.fit` fails under it on TF 2.21), and
 
 Runs inside every worker actor, after TF_CONFIG is set and the strategy is built. All workers execute
 the same number of steps per epoch (planned from Parquet metadata, or train.steps_per_epoch), which is
-what keeps the collectives from hanging; metrics are all-reduced once per epoch.
+what keeps the collectives from hanging; metric sums are all-reduced at the end of each epoch (and at
+a mid-epoch checkpoint, which saves them), not every step.
 """
 from __future__ import annotations
 

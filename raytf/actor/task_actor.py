@@ -12,7 +12,6 @@ import socket
 import tempfile
 import threading
 import time
-import traceback
 from typing import Any
 
 import ray
@@ -124,7 +123,3 @@ def _collect(folder: str) -> dict[str, bytes]:
             with open(path, "rb") as f:
                 out[os.path.relpath(path, folder)] = f.read()
     return out
-
-
-def format_exception(exc: BaseException) -> str:
-    return "".join(traceback.format_exception_only(type(exc), exc)).strip()

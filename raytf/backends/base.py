@@ -46,7 +46,12 @@ class Backend:
         raise NotImplementedError
 
     def check(self, spec: "JobSpec") -> None:
-        """This strategy's spec rules; a ValueError names the key and the fix."""
+        """This strategy's spec rules, checked before the general ones (so a key the strategy refuses is
+        named as such); a ValueError names the key and the fix."""
+        raise NotImplementedError
+
+    def check_batch(self, spec: "JobSpec") -> None:
+        """Whether the global batch divides over what one step runs on; checked last."""
         raise NotImplementedError
 
     def role_name(self, task: "Task") -> str:

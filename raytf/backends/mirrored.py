@@ -49,6 +49,8 @@ class Mirrored(Backend):
         if given:
             raise ValueError(f"cluster.{given[0]} is for strategy: parameter_server; remove it, or set "
                              f"strategy: parameter_server")
+
+    def check_batch(self, spec: "JobSpec") -> None:
         replicas, batch = spec.cluster.replicas, spec.train.global_batch_size
         if batch % replicas:
             raise ValueError(f"train.global_batch_size {batch} is not divisible by {replicas} replicas "

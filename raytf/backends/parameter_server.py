@@ -87,7 +87,9 @@ class ParameterServer(Backend):
         if cluster.evaluator and (spec.checkpoint.dir is None or spec.data is None or spec.data.validation is None):
             raise ValueError("cluster.evaluator: the evaluator evaluates the chief's checkpoints on the validation "
                              "data; set checkpoint.dir and data.validation, or evaluator: false")
-        replicas, batch = cluster.replicas_per_worker, spec.train.global_batch_size
+
+    def check_batch(self, spec: "JobSpec") -> None:
+        replicas, batch = spec.cluster.replicas_per_worker, spec.train.global_batch_size
         if batch % replicas:
             raise ValueError(f"train.global_batch_size {batch} (the batch of one step, run by one worker) is not "
                              f"divisible by the {replicas} GPUs of a worker; use {nearest_multiples(batch, replicas)}")

@@ -132,10 +132,10 @@ class _Attempt:
     tasks: list[Task] = dataclasses.field(default_factory=list)
     task_of: dict = dataclasses.field(default_factory=dict)  # train handle -> task
     awaited: list = dataclasses.field(default_factory=list)  # handles the attempt waits for
-    watched: list = dataclasses.field(default_factory=list)  # handles whose failure matters, not awaited
+    side: list = dataclasses.field(default_factory=list)  # handles not waited for whose failure is handled
     outcomes: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)  # by rank
     progress_seen: dict[int, tuple[Any, float]] = dataclasses.field(default_factory=dict)  # rank -> (marker, when)
-    training_done_at: float | None = None  # every watched task returned (an evaluator may go on)
+    training_done_at: float | None = None  # every hang-watched task returned (an evaluator may go on)
     replacing: list[_Replacement] = dataclasses.field(default_factory=list)
     replacements: ReplacementPolicy | None = None
     standby_armed: bool = False
@@ -256,13 +256,12 @@ class Controller:
             a.tasks = self.backend.assign(a.group.start(timeout_s), a.spec)
             a.group.setup(a.tasks, a.payload, timeout_s)
         except PortTaken as exc:
-            self._stop_group()
             if a.rendezvous_tries >= self.limits.rendezvous_attempts:
                 return self._attempt_failed(Failure("startup", str(exc), (), {str(exc): []}))
+            self._stop_group()
             self.display.message(f"raytf: {exc}; new rendezvous (attempt {a.rendezvous_tries + 1})")
             return
-        except WorkerStartupError as exc:
-            self._stop_group()
+        except WorkerStartupError as exc:  # actors that did not start, report in or set up in time
             return self._attempt_failed(Failure("startup", str(exc), (), {str(exc): []}))
         self.result.rendezvous_attempts = a.rendezvous_tries
         self._phase("start_s")
@@ -273,7 +272,7 @@ class Controller:
         for task, handle in zip(a.tasks, handles):
             a.task_of[handle] = task
             supervision = self.backend.supervision[task.role]
-            (a.awaited if supervision.awaited else a.watched).append(handle)
+            (a.awaited if supervision.awaited else a.side).append(handle)
             if supervision.watched:
                 a.progress_seen[task.rank] = (None, now)
         # Warm processes for the next attempt import TensorFlow while the first one builds its model;
@@ -285,8 +284,9 @@ class Controller:
     def _supervise(self) -> None:
         """One poll: collect the tasks that returned, bring back lost ones, watch for hangs, show progress."""
         a = self.attempt
-        for finished in a.group.wait(a.awaited + a.watched, self.limits.poll_interval_s):
-            if self._returned(finished):
+        returned = a.group.wait(a.awaited + a.side, self.limits.poll_interval_s)
+        for i, finished in enumerate(returned):
+            if self._returned(finished, returned[i + 1:]):
                 return  # the attempt ended
         self._collect_replacements()
         if not a.awaited:
@@ -325,12 +325,13 @@ class Controller:
                 a.awaited.remove(handle)
             return self._finish()
 
-    def _returned(self, finished: Finished) -> bool:
-        """A task's train call returned; True when that ended the attempt."""
+    def _returned(self, finished: Finished, with_it: list[Finished]) -> bool:
+        """A task's train call returned (`with_it`: the others that returned in the same poll); True when
+        that ended the attempt."""
         a = self.attempt
         task = a.task_of.pop(finished.handle)
         awaited = finished.handle in a.awaited
-        (a.awaited if awaited else a.watched).remove(finished.handle)
+        (a.awaited if awaited else a.side).remove(finished.handle)
         if finished.error is None:
             a.outcomes[task.rank] = finished.outcome
             if all(rank in a.outcomes for rank in a.progress_seen):  # side-cars (an evaluator) may go on
@@ -350,21 +351,28 @@ class Controller:
             if a.replacements.replace(training_done=a.training_done_at is not None):
                 a.replacing.append(_Replacement(a.group, task, a.payload, loss))
             return False
-        self._fatal(task, finished.error)
+        self._fatal(task, finished.error, with_it)
         return True
 
-    def _fatal(self, task: Task, error: TaskError) -> None:
-        """Collect the peers' errors for a moment (often broken collectives, as a consequence), then fail
-        the attempt with the aggregate: root cause first, identical errors grouped by rank."""
+    def _fatal(self, task: Task, error: TaskError, with_it: list[Finished]) -> None:
+        """Collect the errors of the other tasks whose failure is fatal (often broken collectives, as a
+        consequence): those that returned with this one, those that fail within the grace (none is
+        waited for when an actor died: its peers would only time out), then fail the attempt with the
+        aggregate: root cause first, identical errors grouped by rank."""
         a = self.attempt
+        fatal = lambda handle: self.backend.supervision[a.task_of[handle].role].on_failure == "fatal"  # noqa: E731
         errors = [_rank_error(task.rank, error)]
+        errors += [_rank_error(a.task_of[f.handle].rank, f.error) for f in with_it if f.error and fatal(f.handle)]
+        seen = {f.handle for f in with_it}
+        pending = [h for h in a.awaited + a.side if h not in seen and fatal(h)]
         deadline = self.clock.now() + peer_grace_s(errors[0].kind, self.limits)
-        pending = list(a.awaited + a.watched)
-        while pending and self.clock.now() < deadline:
-            for finished in a.group.wait(pending, deadline - self.clock.now()):
+        while pending:
+            for finished in a.group.wait(pending, max(0.0, deadline - self.clock.now())):
                 pending.remove(finished.handle)
                 if finished.error is not None:
                     errors.append(_rank_error(a.task_of[finished.handle].rank, finished.error))
+            if self.clock.now() >= deadline:
+                break
         failure = failure_lib.aggregate(errors)
         failure = dataclasses.replace(failure, message=self.backend.failed_task(task) + failure.message)
         self._attempt_failed(failure, sorted({a.tasks[r].node_ip for r in failure.ranks}) or [task.node_ip])
@@ -376,7 +384,7 @@ class Controller:
             if replacement.handle is not None:
                 replacement.loss["replaced"] = True
                 a.task_of[replacement.handle] = replacement.task
-                a.watched.append(replacement.handle)
+                a.side.append(replacement.handle)
             self.display.message(f"raytf: {replacement.task.role} {replacement.task.index} " +
                                  (f"is back at {replacement.task.address}" if replacement.handle is not None
                                   else f"could not be brought back ({replacement.error})"))
@@ -487,6 +495,7 @@ def run(job: Job, group_cls: Callable[..., WorkerGroup] | None = None,
     `verbose`: Ray's own lines about the upload too. `resources`, `clock`, `limits`: seams for tests
     (by default Ray's, with `group_cls` for the attempts' actors: a RayWorkerGroup or a subclass)."""
     spec = job.spec
+    _checkpoint_storage(job, resume)  # a --resume mistake is a spec error before anything is uploaded
     if resources is None:
         from raytf.driver.ray_group import RayResources, RayWorkerGroup
 

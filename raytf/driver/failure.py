@@ -1,8 +1,8 @@
 """What went wrong in an attempt, and what to do about it: pure functions, no Ray, no TensorFlow.
 
 The controller turns whatever it saw (exceptions from ranks, a stalled rank, a start-up error) into a
-Failure; `decide` says restart or fail; `elastic_sizes` says which smaller worker counts may replace a
-full-size restart the cluster cannot hold.
+Failure, root cause first; raytf.driver.policy decides what to do about it; `elastic_sizes` says which
+smaller worker counts may replace a full-size restart the cluster cannot hold.
 """
 from __future__ import annotations
 
@@ -35,12 +35,6 @@ class Failure:
     causes: dict  # message -> ranks, root cause first
 
 
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    restart: bool
-    reason: str
-
-
 def classify(type_name: str, message: str, actor_died: bool = False) -> Kind:
     if actor_died:
         return "actor_died"
@@ -70,16 +64,6 @@ def aggregate(errors: list[RankError]) -> Failure:
     lines = [f"rank(s) {', '.join(map(str, ranks))}: {msg}" for msg, ranks in causes.items()]
     message = lines[0] + ("; then " + "; ".join(lines[1:]) if len(lines) > 1 else "")
     return Failure(kind=root.kind, message=message, ranks=tuple(causes[root.message]), causes=causes)
-
-
-def decide(failure: Failure, restarts_done: int, max_restarts: int) -> Decision:
-    if failure.kind == "checkpoint":  # not the workers' fault: the previous checkpoint is used, free of charge
-        return Decision(True, "falling back to the previous checkpoint")
-    if failure.kind not in RESTARTABLE:
-        return Decision(False, f"{failure.kind} in the job's own code: a restart would repeat it")
-    if restarts_done >= max_restarts:
-        return Decision(False, f"failure.max_restarts ({max_restarts}) used up")
-    return Decision(True, f"restart {restarts_done + 1} of {max_restarts}")
 
 
 def elastic_sizes(workers: int, min_workers: int, global_batch: int, replicas_per_worker: int) -> list[int]:

@@ -46,10 +46,13 @@ class RestartPolicy:
         self.max_restarts = max_restarts
 
     def decide(self, failure: Failure, charged_so_far: int) -> Decision:
-        decided = failure_lib.decide(failure, charged_so_far, self.max_restarts)
-        if not decided.restart:
-            return Decision("raise", decided.reason)
-        return Decision("restart", decided.reason, charged=failure.kind != "checkpoint")
+        if failure.kind == "checkpoint":  # not the workers' fault
+            return Decision("restart", "falling back to the previous checkpoint", charged=False)
+        if failure.kind not in failure_lib.RESTARTABLE:
+            return Decision("raise", f"{failure.kind} in the job's own code: a restart would repeat it")
+        if charged_so_far >= self.max_restarts:
+            return Decision("raise", f"failure.max_restarts ({self.max_restarts}) used up")
+        return Decision("restart", f"restart {charged_so_far + 1} of {self.max_restarts}")
 
 
 class ScalingPolicy:

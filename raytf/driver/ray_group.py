@@ -125,9 +125,12 @@ class RayWorkerGroup:
                 raise WorkerStartupError(f"its bundle moved from {task.node_ip} to {report.node_ip}")
             self._get([actor.setup.remote(task, tf_config(self.tasks, task), len(self.tasks), payload)], timeout_s,
                       "start TensorFlow", [f"rank {task.rank}"])
-        except Exception:
+        except WorkerStartupError:
             kill(actor)
             raise
+        except Exception as exc:  # the actor died meanwhile, or Ray failed: one line, as for start-up
+            kill(actor)
+            raise WorkerStartupError(describe(exc)) from None
         self._by_rank[task.rank] = actor
         return actor.train.remote(payload)
 
