@@ -150,13 +150,10 @@ class _Plan:
         rows = payload.train_data.num_rows
         self.train_shards = data.plan_shards([p.num_rows for p in payload.train_data.pieces], world_size)
         self.pad = spec.data.remainder == "pad"
-        full = rows // global_batch
+        padded = None
         if self.pad:  # every row once per epoch: enough batches for the largest shard, padded
-            full = math.ceil(max(data.shard_rows(s) for s in self.train_shards) / per_worker)
-        if full == 0 and spec.train.steps_per_epoch is None:
-            raise ValueError(f"data.train has {rows} rows, fewer than one global batch of {global_batch}; "
-                             f"lower train.global_batch_size or use data.remainder: pad")
-        self.steps = spec.train.steps_per_epoch or full
+            padded = math.ceil(max(data.shard_rows(s) for s in self.train_shards) / per_worker)
+        self.steps = steps_lib.steps_per_epoch(spec, rows, padded, hint=" or use data.remainder: pad")
         self.val_steps = 0
         if payload.val_data is not None:
             self.val_shards = data.plan_shards([p.num_rows for p in payload.val_data.pieces], world_size)

@@ -52,13 +52,7 @@ def partitioner(spec: JobSpec):
 
 
 def steps_per_epoch(payload: WorkerPayload) -> int:
-    spec = payload.spec
-    rows = payload.train_data.num_rows
-    steps = spec.train.steps_per_epoch or rows // spec.train.global_batch_size
-    if steps == 0:
-        raise ValueError(f"data.train has {rows} rows, fewer than one batch of {spec.train.global_batch_size}; "
-                         f"lower train.global_batch_size")
-    return steps
+    return steps_lib.steps_per_epoch(payload.spec, payload.train_data.num_rows)
 
 
 def tf_variables(variables) -> list[tf.Variable]:
@@ -183,18 +177,8 @@ class ParameterServerRunner:
             lambda: data.record_dataset(info, f"{data.RECORDS_DIR}/train", global_batch, spec.train.shuffle_buffer, seed))
         self._iterator = iter(per_worker)
 
-        def gradients(x, y):
-            """Forward and backward pass of one step on its worker."""
-            with tf.GradientTape() as tape:
-                pred = steps_lib.float32(model(x, training=True))
-                y = steps_lib.align_labels(y, pred)
-                per_example = loss_fn(y, pred)
-                loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
-                if model.losses:
-                    loss += tf.nn.scale_regularization_loss(tf.add_n([tf.cast(v, tf.float32) for v in model.losses]))
-                scaled = optimizer.scale_loss(loss)  # mixed_float16: loss scaling; otherwise the loss itself
-            grads = tape.gradient(scaled, [t.value for t in targets])
-            return grads, train_acc.delta(y, pred, per_example)
+        gradients = steps_lib.make_gradients(model, optimizer, loss_fn, train_acc, global_batch,
+                                             [t.value for t in targets])
 
         @tf.function
         def train_step(iterator):

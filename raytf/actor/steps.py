@@ -195,17 +195,25 @@ def float32(pred):
     return tf.nest.map_structure(lambda t: tf.cast(t, tf.float32) if t.dtype.is_floating else t, pred)
 
 
-def make_step_functions(strategy: tf.distribute.Strategy, model: keras.Model, optimizer, loss_fn,
-                        train_acc: Accumulator, eval_acc: Accumulator, global_batch_size: int,
-                        jit_compile: bool = False) -> StepFunctions:
-    local_replicas = len(strategy.extended.worker_devices)
+def steps_per_epoch(spec: JobSpec, rows: int, padded: int | None = None, hint: str = "") -> int:
+    """Optimizer steps per epoch: train.steps_per_epoch when given, else the global batches the training
+    rows fill (`padded`: with data.remainder: pad, as many as the largest shard needs)."""
+    if spec.train.steps_per_epoch:
+        return spec.train.steps_per_epoch
+    steps = padded if padded is not None else rows // spec.train.global_batch_size
+    if steps == 0:
+        raise ValueError(f"data.train has {rows} rows, fewer than one global batch of "
+                         f"{spec.train.global_batch_size}; lower train.global_batch_size{hint}")
+    return steps
 
-    def _model_losses():
-        return tf.add_n([tf.cast(v, tf.float32) for v in model.losses])
+
+def make_gradients(model: keras.Model, optimizer, loss_fn, acc: Accumulator, global_batch_size: int,
+                   sources: list) -> Callable:
+    """One replica's forward and backward pass, (x, y, weight=None) -> (gradients of `sources`, the
+    step's metric delta): the per-example loss scaled by the global batch (and by the loss scale under
+    mixed_float16), padding rows (weight 0) adding nothing, the model's own losses included."""
 
     def gradients(x, y, weight=None):
-        """Forward and backward pass of one replica (XLA-compiled with train.jit_compile; the
-        gradient all-reduce in apply_gradients stays outside the compiled part)."""
         with tf.GradientTape() as tape:
             pred = float32(model(x, training=True))
             y = align_labels(y, pred)
@@ -214,11 +222,19 @@ def make_step_functions(strategy: tf.distribute.Strategy, model: keras.Model, op
                 per_example = per_example * tf.cast(weight, per_example.dtype)
             loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch_size)
             if model.losses:
-                loss += tf.nn.scale_regularization_loss(_model_losses())
+                loss += tf.nn.scale_regularization_loss(tf.add_n([tf.cast(v, tf.float32) for v in model.losses]))
             scaled = optimizer.scale_loss(loss)  # mixed_float16: loss scaling; otherwise the loss itself
-        grads = tape.gradient(scaled, model.trainable_variables)
-        return grads, train_acc.delta(y, pred, per_example, weight)
+        return tape.gradient(scaled, sources), acc.delta(y, pred, per_example, weight)
 
+    return gradients
+
+
+def make_step_functions(strategy: tf.distribute.Strategy, model: keras.Model, optimizer, loss_fn,
+                        train_acc: Accumulator, eval_acc: Accumulator, global_batch_size: int,
+                        jit_compile: bool = False) -> StepFunctions:
+    local_replicas = len(strategy.extended.worker_devices)
+    gradients = make_gradients(model, optimizer, loss_fn, train_acc, global_batch_size, model.trainable_variables)
+    # XLA compiles the forward and backward pass; the gradient all-reduce in apply_gradients stays outside.
     compiled = tf.function(gradients, jit_compile=True) if jit_compile else gradients
 
     def train_replica(x, y, weight=None):
