@@ -422,20 +422,23 @@ def _packed(ds, info: DatasetInfo):
 
 
 def train_dataset(info: DatasetInfo, root: str, shard: list[Slice], batch_size: int, batches_per_epoch: int,
-                  shuffle_buffer: int, seed: int, first_epoch: int = 1, pad: bool = False):
+                  shuffle_buffer: int, seed: int, first_epoch: int = 1, pad: bool = False, micro_batches: int = 1):
     """This worker's training batches for all epochs, as one endless dataset: every epoch is exactly
     `batches_per_epoch` batches of `batch_size` rows (see epoch_chunks for the order and the remainder).
     One dataset and one iterator serve the whole run, so no epoch pays for building a pipeline. Chunks
     come from a Python generator (one call per shuffle window, not per row or batch) and are cut into
-    batches by tf.data's `rebatch`, in C++."""
+    batches by tf.data's `rebatch`, in C++. micro_batches K > 1 (gradient accumulation): each element
+    stacks K consecutive batches, [K, batch_size, ...] (batches_per_epoch is then a multiple of K)."""
     import tensorflow as tf
 
     epoch_rows = batches_per_epoch * batch_size
     ds = tf.data.Dataset.from_generator(
         lambda: epoch_chunks(info, root, shard, epoch_rows, shuffle_buffer, seed, first_epoch, pad),
         output_signature=_signature(info, weight=pad))
-    ds = ds.rebatch(batch_size, drop_remainder=True)
-    return _packed(ds, info).prefetch(tf.data.AUTOTUNE)
+    ds = _packed(ds.rebatch(batch_size, drop_remainder=True), info)
+    if micro_batches > 1:
+        ds = ds.batch(micro_batches, drop_remainder=True)
+    return ds.prefetch(tf.data.AUTOTUNE)
 
 
 def padded_chunks(info: DatasetInfo, root: str, shard: list[Slice], total_rows: int) -> Iterator[tuple]:
@@ -505,9 +508,12 @@ def write_records(info: DatasetInfo, root: str, shard: list[Slice], folder: str,
     return rows
 
 
-def record_dataset(info: DatasetInfo, folder: str, batch_size: int, shuffle_buffer: int, seed: int):
+def record_dataset(info: DatasetInfo, folder: str, batch_size: int, shuffle_buffer: int, seed: int,
+                   micro_batches: int = 1):
     """A worker's records (under `folder`, relative to its working directory), endlessly: chunks in a
-    new random order every pass, rows shuffled within `shuffle_buffer`, cut into batches. TF ops only."""
+    new random order every pass, rows shuffled within `shuffle_buffer`, cut into batches. TF ops only.
+    micro_batches K > 1 (gradient accumulation): each element is [batch_size, K, ...], micro-batch k
+    being [:, k]; batch-major, so a worker with several GPUs still splits the batch along axis 0."""
     import tensorflow as tf
 
     def column(i, spec):
@@ -521,5 +527,7 @@ def record_dataset(info: DatasetInfo, folder: str, batch_size: int, shuffle_buff
     ds = ds.repeat().unbatch()
     if shuffle_buffer > 0:
         ds = ds.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
+    if micro_batches > 1:
+        ds = ds.batch(micro_batches, drop_remainder=True)
     ds = ds.batch(batch_size, drop_remainder=True)
     return _packed(ds, info).prefetch(tf.data.AUTOTUNE)

@@ -12,7 +12,7 @@ import importlib
 import importlib.util
 import sys
 from pathlib import Path
-from typing import Any, Literal, Mapping, Union
+from typing import Annotated, Any, Literal, Mapping, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -42,10 +42,123 @@ class LossSpec(_Strict):
     from_logits: bool = False
 
 
+class Span(_Strict):
+    """A length of training: in epochs (fractions allowed) or in optimizer steps."""
+
+    epochs: float | None = Field(default=None, gt=0)
+    steps: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _one_unit(self) -> "Span":
+        if (self.epochs is None) == (self.steps is None):
+            raise ValueError("give epochs or steps (one of them), e.g. {epochs: 2} or {steps: 500}")
+        return self
+
+    def in_steps(self, steps_per_epoch: int) -> int:
+        return self.steps if self.steps is not None else max(1, round(self.epochs * steps_per_epoch))
+
+
+class WarmupSpec(Span):
+    # The ramp starts at start_factor x the rate it leads to (Goyal et al. start from the unscaled rate:
+    # start_factor = base_batch_size / effective batch).
+    start_factor: float = Field(default=0.0, ge=0, lt=1)
+
+
+class BoundariesSpec(_Strict):
+    epochs: list[float] | None = None
+    steps: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _increasing(self) -> "BoundariesSpec":
+        if (self.epochs is None) == (self.steps is None):
+            raise ValueError("give epochs or steps (one list), e.g. {epochs: [30, 60]}")
+        values = self.epochs if self.epochs is not None else self.steps
+        if not values or values[0] <= 0 or any(b <= a for a, b in zip(values, values[1:])):
+            raise ValueError(f"{values} must be a non-empty, strictly increasing list of values above 0")
+        return self
+
+    def in_steps(self, steps_per_epoch: int) -> list[int]:
+        return list(self.steps) if self.steps is not None else [round(e * steps_per_epoch) for e in self.epochs]
+
+
+# Each schedule's keys (besides name); the first of "required" must be given.
+SCHEDULE_KEYS = {
+    "constant": {"optional": ("warmup",), "required": ()},
+    "cosine": {"optional": ("warmup", "alpha", "decay"), "required": ()},
+    "step": {"optional": ("warmup", "factor"), "required": ("every",)},
+    "exponential": {"optional": ("warmup", "staircase"), "required": ("every", "factor")},
+    "piecewise": {"optional": ("warmup",), "required": ("boundaries", "factors")},
+}
+SCHEDULE_EXAMPLES = {
+    "constant": "{name: constant, warmup: {epochs: 1}}",
+    "cosine": "{name: cosine, alpha: 0.01, warmup: {epochs: 1}}",
+    "step": "{name: step, every: {epochs: 30}, factor: 0.1}",
+    "exponential": "{name: exponential, every: {steps: 1000}, factor: 0.96}",
+    "piecewise": "{name: piecewise, boundaries: {epochs: [30, 60]}, factors: [0.1, 0.01]}",
+}
+
+
+class ScheduleSpec(_Strict):
+    """The learning rate over optimizer steps, from optimizer.learning_rate (after scale_lr): constant;
+    cosine down to alpha x the rate (over `decay`, default the rest of training after warmup); step:
+    x factor every `every`; exponential: x factor per `every` (staircase: in whole periods); piecewise:
+    the rate x factors[i] from boundaries[i] on. An optional linear warmup leads into any of them."""
+
+    name: Literal["constant", "cosine", "step", "exponential", "piecewise"] = "constant"
+    warmup: WarmupSpec | None = None
+    alpha: float | None = Field(default=None, ge=0, le=1)
+    decay: Span | None = None
+    every: Span | None = None
+    factor: float | None = Field(default=None, gt=0)
+    staircase: bool | None = None
+    boundaries: BoundariesSpec | None = None
+    factors: list[Annotated[float, Field(gt=0)]] | None = None
+
+    @model_validator(mode="after")
+    def _keys_of_the_schedule(self) -> "ScheduleSpec":
+        keys = SCHEDULE_KEYS[self.name]
+        allowed = (*keys["required"], *keys["optional"])
+        given = [k for k in type(self).model_fields if k != "name" and getattr(self, k) is not None]
+        extra = [k for k in given if k not in allowed]
+        if extra:
+            raise ValueError(f"{extra[0]} is not a key of schedule {self.name} (it takes "
+                             f"{', '.join(allowed) or 'no keys'}); e.g. {SCHEDULE_EXAMPLES[self.name]}")
+        missing = [k for k in keys["required"] if getattr(self, k) is None]
+        if missing:
+            raise ValueError(f"schedule {self.name} needs {' and '.join(missing)}; e.g. {SCHEDULE_EXAMPLES[self.name]}")
+        if self.name == "piecewise":
+            count = len(self.boundaries.epochs or self.boundaries.steps)
+            if len(self.factors) != count:
+                raise ValueError(f"piecewise: {count} boundaries need {count} factors (the rate x factors[i] from "
+                                 f"boundaries[i] on), got {len(self.factors)}")
+        return self
+
+
+class ScaleLrSpec(_Strict):
+    """The large-batch rule: learning_rate was tuned at base_batch_size; the job trains at its effective
+    batch (train.global_batch_size x train.accumulation_steps) with the rate x ratio (linear, Goyal et
+    al.) or x sqrt(ratio)."""
+
+    rule: Literal["linear", "sqrt"]
+    base_batch_size: int = Field(ge=1)
+
+
 class OptimizerSpec(_Strict):
     name: str = "adam"
-    learning_rate: float = Field(default=0.001, gt=0)
+    learning_rate: float = Field(default=0.001, gt=0)  # the peak rate, at base_batch_size when scale_lr is set
+    schedule: ScheduleSpec = ScheduleSpec()
+    scale_lr: ScaleLrSpec | None = None
     options: dict[str, Any] = Field(default_factory=dict)  # other constructor arguments, e.g. momentum
+
+    @field_validator("options")
+    @classmethod
+    def _not_ours(cls, options: dict[str, Any]) -> dict[str, Any]:
+        if "learning_rate" in options:
+            raise ValueError("learning_rate belongs in optimizer.learning_rate (and a schedule in optimizer.schedule)")
+        if "gradient_accumulation_steps" in options:
+            raise ValueError("gradient_accumulation_steps: use train.accumulation_steps; Keras's own counts "
+                             "micro-batches as schedule steps and all-reduces every micro-batch")
+        return options
 
 
 class TrainSpec(_Strict):
@@ -58,6 +171,13 @@ class TrainSpec(_Strict):
     # on V100/T4/A10, bfloat16 on A100/H100/TPU-class hardware.
     precision: Literal["float32", "mixed_float16", "mixed_bfloat16"] = "float32"
     jit_compile: bool = False  # XLA-compile each replica's forward and backward pass
+    # Gradient accumulation: the optimizer steps once per K micro-batches of global_batch_size, so the
+    # effective batch is global_batch_size x K at the memory of one micro-batch.
+    accumulation_steps: int = Field(default=1, ge=1)
+
+    @property
+    def effective_batch_size(self) -> int:
+        return self.global_batch_size * self.accumulation_steps
 
 
 class ClusterSpec(_Strict):
@@ -70,6 +190,11 @@ class ClusterSpec(_Strict):
     # across nodes), placed strict_spread. None: as the other keys say.
     gpu_placement: Literal["per_gpu", "per_node"] | None = None
     gpu_memory_growth: bool = True  # allocate GPU memory as needed, so fractional-GPU workers can share
+    # MultiWorkerMirrored's collectives: auto (TensorFlow picks), ring (gRPC, any device) or nccl (GPUs only).
+    communication: Literal["auto", "ring", "nccl"] = "auto"
+    # A collective not done in this long fails (a dead or frozen peer) instead of blocking forever; the
+    # hang watchdog (failure.hang_timeout_s) stays the backstop. None: TensorFlow's default, no timeout.
+    collective_timeout_s: float | None = Field(default=None, gt=0)
     reserve_timeout_s: float = Field(default=60.0, gt=0)
     start_timeout_s: float = Field(default=120.0, gt=0)
     # strategy: parameter_server only. ps tasks hold the variables; the chief runs the coordinator; the
@@ -214,6 +339,22 @@ class JobSpec(_Strict):
         if elastic is not None and elastic.min_workers > self.cluster.workers:
             raise ValueError(f"failure.elastic.min_workers {elastic.min_workers} is more than cluster.workers "
                              f"{self.cluster.workers}; use at most {self.cluster.workers}")
+        if self.train_fn is not None:
+            ours = [(self.train.accumulation_steps > 1, "train.accumulation_steps"),
+                    (self.optimizer.schedule != ScheduleSpec(), "optimizer.schedule"),
+                    (self.optimizer.scale_lr is not None, "optimizer.scale_lr")]
+            for given, key in ours:
+                if given:
+                    raise ValueError(f"{key} is for raytf's loop (model + data); a train_fn runs its own steps and "
+                                     f"optimizer: remove {key}, or use ctx.global_batch_size in the train_fn")
+        warmup = self.optimizer.schedule.warmup
+        if warmup is not None and warmup.epochs is not None and warmup.epochs >= self.train.epochs:
+            raise ValueError(f"optimizer.schedule.warmup.epochs {warmup.epochs:g} is not shorter than train.epochs "
+                             f"{self.train.epochs}; warm up for a part of training, e.g. warmup: {{epochs: 1}}")
+        if self.train.steps_per_epoch is not None:
+            from raytf import learning_rate
+
+            learning_rate.plan(self, self.train.steps_per_epoch)  # a schedule longer than training names itself
         backend.check_batch(self)
         return self
 
@@ -403,6 +544,19 @@ def load(source: "str | Path | Mapping[str, Any] | JobSpec | Job",
         if rows < spec.cluster.workers:  # some worker would get no rows (under mirrored the batch check catches it)
             raise SpecError(f"data.train has {rows} rows, fewer than cluster.workers {spec.cluster.workers}: some "
                             f"workers would have nothing to read; use at most {rows} workers")
+        batch = spec.train.effective_batch_size
+        if spec.train.steps_per_epoch is None and rows < batch and spec.data.remainder == "drop":
+            what = f"{spec.train.global_batch_size} x {spec.train.accumulation_steps} accumulation steps" \
+                if spec.train.accumulation_steps > 1 else f"{batch}"
+            raise SpecError(f"{name}: data.train has {rows} rows, fewer than one global batch of {what}; lower "
+                            f"train.global_batch_size (or use data.remainder: pad)")
+        if spec.train.steps_per_epoch is None and rows >= batch:
+            from raytf import learning_rate
+
+            try:  # the schedule against the steps the rows make (data.remainder: pad may add one)
+                learning_rate.plan(spec, rows // batch)
+            except ValueError as exc:
+                raise SpecError(f"{name}: {exc}") from None
     if check_code:
         check_job_code(job)
     return job

@@ -1,6 +1,6 @@
 """The sweep file: a job spec plus a `tune:` section. Pure: parsing the tune section, expanding the space
-into points (each point validated as a job before any trial starts), learning-rate scaling with the
-global batch, and how many trials the cluster holds at once. No Ray, no TensorFlow.
+into points (each point validated as a job before any trial starts, its learning rate scaled to its
+batch by the job's own rule), and how many trials the cluster holds at once. No Ray, no TensorFlow.
 
     tune:
       metric: val_loss
@@ -23,6 +23,7 @@ from typing import Any, Callable, Literal, Mapping, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from raytf import learning_rate
 from raytf.errors import SpecError
 from raytf.spec import JobSpec, apply_overrides
 
@@ -80,7 +81,7 @@ def parse_dimension(key: str, raw: Any) -> Dimension:
 class LrScaling(_Strict):
     # The learning rate of a trial follows its global batch: linear (lr * batch/base), sqrt, or none.
     rule: Literal["none", "linear", "sqrt"] = "none"
-    base_batch_size: int | None = Field(default=None, ge=1)  # default: the job's train.global_batch_size
+    base_batch_size: int | None = Field(default=None, ge=1)  # default: the job's effective batch
 
 
 class SchedulerSpec(_Strict):
@@ -185,17 +186,6 @@ def apply_sweep_overrides(raw: Mapping[str, Any], overrides: Mapping[str, Any]) 
     return out
 
 
-# ---------------------------------------------------------------- learning rate
-
-
-def scale_lr(lr: float, batch: int, rule: str, base_batch: int) -> float:
-    """The learning rate for `batch`, given `lr` tuned at `base_batch`: linear (Goyal et al.) or sqrt."""
-    if rule == "none":
-        return lr
-    ratio = batch / base_batch
-    return lr * (ratio if rule == "linear" else math.sqrt(ratio))
-
-
 # ---------------------------------------------------------------- points
 
 
@@ -205,12 +195,9 @@ class Point:
 
     id: str
     values: dict[str, Any]  # the space's values, as sampled (learning rate before scaling)
-    overrides: dict[str, Any]  # dotted spec keys -> values, scaled learning rate and repeat seed included
+    overrides: dict[str, Any]  # dotted spec keys -> values, the scaling rule and repeat seed included
     repeat: int = 0
-
-    @property
-    def learning_rate(self) -> float | None:
-        return self.overrides.get("optimizer.learning_rate")
+    learning_rate: float | None = None  # the peak rate the trial trains with, after scaling
 
     def describe(self) -> str:
         return "{" + ", ".join(f"{k}: {_short(v)}" for k, v in self.values.items()) + "}"
@@ -221,24 +208,26 @@ def _short(value: Any) -> str:
 
 
 def point_overrides(values: Mapping[str, Any], base: JobSpec, section: TuneSection, repeat: int) -> dict[str, Any]:
-    """The spec overrides of one point: its values, then the learning rate scaled to its global batch,
-    then the seed of a repeat (repeat r of a point trains with train.seed + r, or repeats would be identical)."""
+    """The spec overrides of one point: its values, then tune.lr_scaling as the job's own
+    optimizer.scale_lr (each trial scales its rate to its effective batch, by the same code as a plain
+    run), then the seed of a repeat (repeat r of a point trains with train.seed + r, or repeats would be
+    identical)."""
     out = dict(values)
     rule = section.lr_scaling.rule
     if rule != "none":
-        lr = values.get("optimizer.learning_rate", base.optimizer.learning_rate)
-        batch = values.get("train.global_batch_size", base.train.global_batch_size)
-        base_batch = section.lr_scaling.base_batch_size or base.train.global_batch_size
-        if isinstance(lr, (int, float)) and isinstance(batch, int):  # else validation names the bad value
-            out["optimizer.learning_rate"] = scale_lr(float(lr), batch, rule, base_batch)
+        if base.optimizer.scale_lr is not None:
+            raise SpecError("tune.lr_scaling and optimizer.scale_lr both scale the learning rate; keep one "
+                            "(optimizer.scale_lr alone scales every trial to its own batch)")
+        base_batch = section.lr_scaling.base_batch_size or base.train.effective_batch_size
+        out["optimizer.scale_lr"] = {"rule": rule, "base_batch_size": base_batch}
     if repeat and "train.seed" not in values:
         out["train.seed"] = base.train.seed + repeat
     return out
 
 
 def expand(section: TuneSection, base: JobSpec, check: Callable[[str, dict[str, Any]], Any]) -> tuple[list[Point], list[dict]]:
-    """Every point of the sweep, each checked by `check(point_id, overrides)` (which raises SpecError for a
-    job that cannot run) before any trial starts. A grid point that fails is an error naming the point; a
+    """Every point of the sweep, each checked by `check(point_id, overrides)` (which returns the point's
+    JobSpec, or raises SpecError for a job that cannot run) before any trial starts. A grid point that fails is an error naming the point; a
     random draw that fails is rejected and drawn again. Returns (points, rejected draws).
 
     Order: for each sample, the grid's product (the first key varies slowest); random dimensions are drawn
@@ -260,7 +249,8 @@ def expand(section: TuneSection, base: JobSpec, check: Callable[[str, dict[str, 
                 overrides = point_overrides(values, base, section, repeat)
                 point = Point(pid, values, overrides, repeat)
                 try:
-                    check(pid, overrides)
+                    trial = check(pid, overrides)
+                    point = dataclasses.replace(point, learning_rate=learning_rate.peak(trial))
                 except SpecError as exc:
                     if not random_dims:
                         raise SpecError(f"point {pid} {point.describe()} cannot run: {exc}") from None

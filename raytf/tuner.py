@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from raytf import spec as spec_lib
-from raytf import sweep, sweep_report
+from raytf import learning_rate, sweep, sweep_report
 from raytf.driver import packaging, placement
 from raytf.driver.report import ProgressDisplay
 from raytf.errors import PlacementTimeout, SpecError
@@ -82,12 +82,13 @@ def prepare(source: "str | Path | Mapping[str, Any]", overrides: Mapping[str, An
     out = base.output_dir
     jobs: dict[str, Job] = {}
 
-    def check(pid: str, point_overrides: dict[str, Any]) -> None:
+    def check(pid: str, point_overrides: dict[str, Any]) -> JobSpec:
         trial = {**point_overrides, "name": f"{base_spec.name}-{pid}", "output.dir": str(out / "trials" / pid)}
         if base.checkpoint_dir is not None:  # trials must not share checkpoints
             trial["checkpoint.dir"] = f"{base.checkpoint_dir.rstrip('/')}/{pid}"
         try:  # the code is imported once every point has passed the checks that need no TensorFlow
             jobs[pid] = spec_lib.load(base, trial, check_code=False)
+            return jobs[pid].spec
         except SpecError as exc:
             raise SpecError(str(exc).removeprefix(f"{name}: ")) from None
 
@@ -349,7 +350,7 @@ def _collect(plan: Plan, experiment: Path, limit: int, started: float, wall: flo
             "status": sweep_report.trial_status(trial.status, epochs, job.spec.train.epochs),
             "config": point.values,
             "global_batch_size": job.spec.train.global_batch_size,
-            "learning_rate": job.spec.optimizer.learning_rate,
+            "learning_rate": learning_rate.peak(job.spec),
             "workers": job.spec.cluster.workers,
             "final": history[-1] if history else None,
             "best": sweep_report.best_of(history, section.mode),

@@ -6,9 +6,9 @@ from raytf.driver.failure import (
     RankError,
     aggregate,
     classify,
-    elastic_sizes,
 )
-from raytf.driver.policy import RestartPolicy
+from raytf.driver.policy import RestartPolicy, elastic_batch, elastic_sizes
+from raytf.spec import parse
 
 
 def test_classify_tells_infrastructure_from_user_errors():
@@ -47,10 +47,36 @@ def test_a_corrupt_checkpoint_is_a_free_restart():
     assert decision.action == "restart" and decision.charged is False
 
 
-def test_elastic_sizes_keep_the_global_batch_divisible():
-    assert elastic_sizes(4, 2, 96, 1) == [4, 3, 2]
-    assert elastic_sizes(4, 1, 64, 1) == [4, 2, 1]
-    assert elastic_sizes(3, 3, 64, 1) == []
+def elastic_spec(workers, batch, accumulation=1, gpus=0.0):
+    return parse({"name": "e", "model": "m:f", "dataset_fn": "m:d",
+                  "train": {"global_batch_size": batch, "accumulation_steps": accumulation, "steps_per_epoch": 10},
+                  "cluster": {"workers": workers, "gpus_per_worker": gpus}})
+
+
+def test_elastic_sizes_are_those_that_keep_the_effective_batch():
+    assert elastic_sizes(elastic_spec(4, 96), 2) == [4, 3, 2]
+    assert elastic_sizes(elastic_spec(4, 64), 1) == [4, 2, 1]  # 3 workers: 4/3 accumulation, 64/3 rows
+    assert elastic_sizes(elastic_spec(4, 32, accumulation=3), 1) == [4, 3, 2, 1]  # 3: 4 steps of 24
+    assert elastic_sizes(elastic_spec(3, 63), 3) == [3]
+
+
+def test_an_elastic_restart_raises_accumulation_before_it_grows_the_per_replica_batch():
+    spec = elastic_spec(4, 64, accumulation=2)  # 16 rows per replica, effective batch 128
+    assert elastic_batch(spec, 4).to_dict() == {"global_batch_size": 64, "accumulation_steps": 2,
+                                                "per_replica_batch_size": 16, "kept": "as_asked"}
+    halved = elastic_batch(spec, 2)  # 4 x 2 / 2 = 4 accumulation steps of 32: same memory, same effective batch
+    assert (halved.global_batch_size, halved.accumulation_steps, halved.per_replica_batch_size,
+            halved.kept) == (32, 4, 16, "per_replica_batch")
+    assert elastic_batch(spec, 1).accumulation_steps == 8
+    three = elastic_batch(elastic_spec(4, 96), 3)  # 4/3 accumulation steps do not divide: 32 rows per replica
+    assert (three.global_batch_size, three.accumulation_steps, three.per_replica_batch_size,
+            three.kept) == (96, 1, 32, "global_batch")
+    assert elastic_batch(elastic_spec(4, 64), 3) is None
+    gpus = elastic_batch(elastic_spec(4, 64, gpus=2), 2)  # 8 replicas of 8 rows -> 4 replicas, 2 steps
+    assert (gpus.global_batch_size, gpus.accumulation_steps, gpus.per_replica_batch_size) == (32, 2, 8)
+    for spec, workers in [(elastic_spec(4, 64, 2), 2), (elastic_spec(4, 96), 3), (elastic_spec(4, 32, 3), 1)]:
+        plan = elastic_batch(spec, workers)
+        assert plan.global_batch_size * plan.accumulation_steps == spec.train.effective_batch_size
 
 
 def test_error_summaries_keep_the_line_that_names_the_cause():

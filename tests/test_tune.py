@@ -12,7 +12,7 @@ import yaml
 from click.testing import CliRunner
 
 import raytf
-from raytf import sweep, sweep_report
+from raytf import learning_rate, sweep, sweep_report
 from raytf.cli import main
 from raytf.errors import SpecError
 from raytf.spec import apply_overrides, load, parse
@@ -47,10 +47,10 @@ def test_a_grid_expands_in_order_with_the_learning_rate_scaled_to_each_batch():
 
 @pytest.mark.timeout(10)
 def test_lr_scaling_rules():
-    assert sweep.scale_lr(0.1, 256, "linear", 64) == pytest.approx(0.4)
-    assert sweep.scale_lr(0.1, 256, "sqrt", 64) == pytest.approx(0.2)
-    assert sweep.scale_lr(0.1, 32, "linear", 64) == pytest.approx(0.05)
-    assert sweep.scale_lr(0.1, 256, "none", 64) == 0.1
+    assert learning_rate.scaled(0.1, 256, "linear", 64) == pytest.approx(0.4)
+    assert learning_rate.scaled(0.1, 256, "sqrt", 64) == pytest.approx(0.2)
+    assert learning_rate.scaled(0.1, 32, "linear", 64) == pytest.approx(0.05)
+    assert learning_rate.scaled(0.1, 256, "none", 64) == 0.1
     # base_batch_size defaults to the job's own global batch (64 in base_spec); lr from the job when not swept
     points, _ = points_of({"space": {"train.global_batch_size": {"grid": [256]}}, "lr_scaling": {"rule": "sqrt"}})
     assert points[0].learning_rate == pytest.approx(0.01 * 2)

@@ -19,6 +19,7 @@ from typing import Any, Iterator, Protocol
 import numpy as np
 import tensorflow as tf
 
+from raytf.actor import schedules
 from raytf.actor import steps as steps_lib
 from raytf.actor.context import TaskContext, WorkerPayload
 from raytf.checkpoint import META, Storage
@@ -29,6 +30,7 @@ class Runner(Protocol):
     """A strategy's steps, as the loop drives them."""
 
     steps: int  # optimizer steps per epoch
+    optimizer: Any  # the Keras optimizer (its schedule gives each epoch's learning rate)
     train_acc: steps_lib.Accumulator
     eval_acc: steps_lib.Accumulator
     state: tf.train.Checkpoint  # what a checkpoint holds
@@ -77,13 +79,14 @@ def run(runner: Runner, payload: WorkerPayload, ctx: TaskContext) -> dict[str, A
                 step += 1
                 global_step += 1
                 if loss is not None:
-                    ctx.step(epoch, step, runner.steps, global_step, loss, spec.train.global_batch_size)
+                    ctx.step(epoch, step, runner.steps, global_step, loss, spec.train.effective_batch_size)
             if checkpoints.enabled and every_kind == "steps" and global_step % every == 0 and step < runner.steps:
                 runner.sync_state()
                 checkpoints.save(global_step, epoch, step, history, runner.epoch_totals())
         runner.sync_state()  # before validation: every worker evaluates, and ends with, the same model
         metrics = runner.train_acc.results(runner.epoch_totals())
         metrics.update(runner.epoch_notes())
+        metrics["learning_rate"] = schedules.learning_rate_at(runner.optimizer, max(global_step - 1, 0))  # its last step's
         val = None
         if runner.validates:
             ctx.phase("validating")

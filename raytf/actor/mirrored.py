@@ -28,9 +28,22 @@ def prepare(task, payload: WorkerPayload, ctx: TaskContext) -> None:
     """Nothing to do before TensorFlow's server starts: every worker reads its own Parquet shard."""
 
 
+COMMUNICATION = {"auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
+                 "ring": tf.distribute.experimental.CommunicationImplementation.RING,
+                 "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL}
+
+
 def start(task, payload: WorkerPayload, ctx: TaskContext) -> tf.distribute.Strategy:
-    """The strategy (it starts this task's gRPC server, on the port in TF_CONFIG)."""
-    return tf.distribute.MultiWorkerMirroredStrategy()
+    """The strategy (it starts this task's gRPC server, on the port in TF_CONFIG), its collectives as
+    cluster.communication and cluster.collective_timeout_s say."""
+    cluster = payload.spec.cluster
+    if cluster.communication == "nccl" and not tf.config.list_physical_devices("GPU"):
+        raise ValueError(f"cluster.communication: nccl needs a GPU on every worker, and rank {ctx.rank} sees none "
+                         f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); use communication: "
+                         f"ring (or auto)")
+    options = tf.distribute.experimental.CommunicationOptions(
+        implementation=COMMUNICATION[cluster.communication], timeout_seconds=cluster.collective_timeout_s)
+    return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
 
 
 def train(strategy: tf.distribute.Strategy, task, payload: WorkerPayload, ctx: TaskContext) -> dict[str, Any]:
@@ -59,15 +72,15 @@ class MirroredRunner:
             raise ValueError(f"train.global_batch_size {global_batch} is not divisible by the {replicas} replicas "
                              f"TensorFlow found ({local_replicas} per worker)")
         self.replicas = replicas
-        self.model, self.optimizer, _ = steps_lib.build_model(payload, strategy)
+        self.plan = _Plan(payload, ctx.world_size, global_batch // replicas, local_replicas)
+        self.steps = self.plan.steps
+        self.model, self.optimizer, _ = steps_lib.build_model(payload, strategy, self.steps)
         self.state = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer)
         loss_fn = steps_lib.build_loss(spec)
         self.train_acc = steps_lib.Accumulator(steps_lib.build_metrics(spec))
         self.eval_acc = steps_lib.Accumulator(steps_lib.build_metrics(spec))
         self.fns = steps_lib.make_step_functions(strategy, self.model, self.optimizer, loss_fn, self.train_acc,
-                                                 self.eval_acc, global_batch, jit_compile=spec.train.jit_compile)
-        self.plan = _Plan(payload, ctx.world_size, global_batch, global_batch // replicas, local_replicas)
-        self.steps = self.plan.steps
+                                                 self.eval_acc, spec)
         self.validates = bool(self.plan.val_steps)
         self._iterator = None
         self._val_iterator = None
@@ -78,7 +91,8 @@ class MirroredRunner:
         distributed pipeline costs ~0.1 s; an epoch of a small job may be shorter than that."""
         spec, position = self.payload.spec, self.payload.resume_from
         if spec.dataset_fn is not None:
-            self._iterator = iter(self.strategy.distribute_datasets_from_function(self.payload.function("dataset_fn")))
+            self._iterator = iter(self.strategy.distribute_datasets_from_function(
+                _micro_batched(self.payload.function("dataset_fn"), spec.train.accumulation_steps)))
         else:
             skip = position.step_in_epoch if position is not None and position.epoch == epoch else 0
             self._iterator = iter(self.strategy.distribute_datasets_from_function(
@@ -138,11 +152,11 @@ class MirroredRunner:
 class _Plan:
     """Steps per epoch and the per-worker input functions, from the Parquet metadata."""
 
-    def __init__(self, payload: WorkerPayload, world_size: int, global_batch: int, per_replica: int,
-                 local_replicas: int):
+    def __init__(self, payload: WorkerPayload, world_size: int, per_replica: int, local_replicas: int):
         spec = payload.spec
         self.payload, self.per_replica, self.local_replicas = payload, per_replica, local_replicas
         self.shuffle_buffer = spec.train.shuffle_buffer
+        self.micro_batches = spec.train.accumulation_steps
         per_worker = per_replica * local_replicas
         if payload.train_data is None:  # dataset_fn: the user's pipeline, the spec's step count
             self.steps, self.val_steps = spec.train.steps_per_epoch, 0
@@ -152,7 +166,7 @@ class _Plan:
         self.pad = spec.data.remainder == "pad"
         padded = None
         if self.pad:  # every row once per epoch: enough batches for the largest shard, padded
-            padded = math.ceil(max(data.shard_rows(s) for s in self.train_shards) / per_worker)
+            padded = math.ceil(max(data.shard_rows(s) for s in self.train_shards) / (per_worker * self.micro_batches))
         self.steps = steps_lib.steps_per_epoch(spec, rows, padded, hint=" or use data.remainder: pad")
         self.val_steps = 0
         if payload.val_data is not None:
@@ -167,8 +181,8 @@ class _Plan:
         def dataset_fn(input_context: tf.distribute.InputContext):
             shard = self.train_shards[input_context.input_pipeline_id]
             ds = data.train_dataset(p.train_data, p.train_root, shard, self.per_replica,
-                                    self.steps * self.local_replicas, self.shuffle_buffer, seed,
-                                    first_epoch=first_epoch, pad=self.pad)
+                                    self.steps * self.local_replicas * self.micro_batches, self.shuffle_buffer,
+                                    seed, first_epoch=first_epoch, pad=self.pad, micro_batches=self.micro_batches)
             return ds.skip(skip_batches * self.local_replicas) if skip_batches else ds
 
         return dataset_fn
@@ -182,6 +196,13 @@ class _Plan:
                                      self.val_steps * self.local_replicas, repeat=True)
 
         return dataset_fn
+
+
+def _micro_batched(dataset_fn, micro_batches: int):
+    """A user's dataset_fn whose batches are stacked in groups of train.accumulation_steps (one optimizer step each)."""
+    if micro_batches == 1:
+        return dataset_fn
+    return lambda input_context: dataset_fn(input_context).batch(micro_batches, drop_remainder=True)
 
 
 def _run_user_loop(strategy, payload: WorkerPayload, ctx: TaskContext) -> dict[str, Any]:

@@ -160,7 +160,8 @@ class ParameterServerRunner:
             tf.distribute.cluster_resolver.TFConfigClusterResolver(), variable_partitioner=partitioner(spec))
         self.coordinator = coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
         global_batch = spec.train.global_batch_size
-        model, optimizer, targets = steps_lib.build_model(payload, strategy, trained=shard_targets)
+        self.steps = steps_per_epoch(payload)
+        model, optimizer, targets = steps_lib.build_model(payload, strategy, self.steps, trained=shard_targets)
         self.model, self.optimizer = model, optimizer
         self.state = tf.train.Checkpoint(weights=tf_variables(model.weights),
                                          optimizer=tf_variables(optimizer.variables))
@@ -174,11 +175,16 @@ class ParameterServerRunner:
         first_epoch = payload.resume_from.epoch if payload.resume_from else 1
         seed = spec.train.seed + first_epoch  # a resumed run does not replay the same order
         per_worker = coordinator.create_per_worker_dataset(
-            lambda: data.record_dataset(info, f"{data.RECORDS_DIR}/train", global_batch, spec.train.shuffle_buffer, seed))
+            lambda: data.record_dataset(info, f"{data.RECORDS_DIR}/train", global_batch, spec.train.shuffle_buffer, seed,
+                                        micro_batches=spec.train.accumulation_steps))
         self._iterator = iter(per_worker)
 
-        gradients = steps_lib.make_gradients(model, optimizer, loss_fn, train_acc, global_batch,
-                                             [t.value for t in targets])
+        sources = [t.value for t in targets]
+        gradients = steps_lib.make_gradients(model, optimizer, loss_fn, train_acc, spec.train.effective_batch_size,
+                                             sources)
+        # One scheduled step is one optimizer step: its worker runs the K micro-batches, then applies once.
+        gradients = steps_lib.accumulate(gradients, sources, sum(train_acc.sizes), spec.train.accumulation_steps,
+                                         take=lambda t, k: t[:, k])
 
         @tf.function
         def train_step(iterator):
@@ -200,7 +206,6 @@ class ParameterServerRunner:
         self._validate = _validation(payload, global_batch) if not spec.cluster.evaluator else None
         self.validates = self._validate is not None
         self._in_flight = IN_FLIGHT_PER_WORKER * spec.cluster.workers
-        self.steps = steps_per_epoch(payload)
         self._totals = np.zeros(sum(train_acc.sizes), np.float64)
         self._unreported = 0  # steps whose metrics died with their worker
 

@@ -21,6 +21,8 @@ from typing import Any, Callable
 import keras
 import tensorflow as tf
 
+from raytf import learning_rate
+from raytf.actor import schedules
 from raytf.spec import JobSpec
 
 _ACCURACY_BY_LOSS = {
@@ -44,7 +46,7 @@ def build_loss(spec: JobSpec) -> Callable:
     return fn
 
 
-def build_model(payload, strategy: tf.distribute.Strategy,
+def build_model(payload, strategy: tf.distribute.Strategy, steps_per_epoch: int,
                 trained: Callable[[keras.Model], list] = lambda model: model.trainable_variables):
     """The job's model and optimizer under the strategy, in the spec's precision; the optimizer is built
     for `trained(model)` (the variables it updates), so its slots exist before a restore fills them."""
@@ -54,16 +56,17 @@ def build_model(payload, strategy: tf.distribute.Strategy,
         model = payload.function("model")()
         if not isinstance(model, keras.Model):
             raise TypeError(f"model: {spec.model} returned {type(model).__name__}, not a keras.Model")
-        optimizer = build_optimizer(spec)
+        optimizer = build_optimizer(spec, steps_per_epoch)
         targets = trained(model)
         optimizer.build(targets)
     return model, optimizer, targets
 
 
-def build_optimizer(spec: JobSpec) -> keras.optimizers.Optimizer:
+def build_optimizer(spec: JobSpec, steps_per_epoch: int) -> keras.optimizers.Optimizer:
+    """The spec's optimizer, its learning rate scaled (optimizer.scale_lr) and scheduled in optimizer steps."""
+    rate = schedules.build_schedule(learning_rate.plan(spec, steps_per_epoch))
     optimizer = keras.optimizers.get({"class_name": spec.optimizer.name,
-                                      "config": {"learning_rate": spec.optimizer.learning_rate,
-                                                 **spec.optimizer.options}})
+                                      "config": {"learning_rate": rate, **spec.optimizer.options}})
     if spec.train.precision == "mixed_float16":  # float16 gradients underflow without loss scaling
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
     return optimizer
@@ -196,15 +199,74 @@ def float32(pred):
 
 
 def steps_per_epoch(spec: JobSpec, rows: int, padded: int | None = None, hint: str = "") -> int:
-    """Optimizer steps per epoch: train.steps_per_epoch when given, else the global batches the training
-    rows fill (`padded`: with data.remainder: pad, as many as the largest shard needs)."""
+    """Optimizer steps per epoch: train.steps_per_epoch when given, else the effective global batches
+    (global_batch_size x accumulation_steps) the training rows fill (`padded`: with data.remainder: pad,
+    as many as the largest shard needs)."""
     if spec.train.steps_per_epoch:
         return spec.train.steps_per_epoch
-    steps = padded if padded is not None else rows // spec.train.global_batch_size
+    batch = spec.train.effective_batch_size
+    steps = padded if padded is not None else rows // batch
     if steps == 0:
-        raise ValueError(f"data.train has {rows} rows, fewer than one global batch of "
-                         f"{spec.train.global_batch_size}; lower train.global_batch_size{hint}")
+        what = f"{spec.train.global_batch_size} x {spec.train.accumulation_steps} accumulation steps" \
+            if spec.train.accumulation_steps > 1 else f"{batch}"
+        raise ValueError(f"data.train has {rows} rows, fewer than one global batch of {what}; lower "
+                         f"train.global_batch_size{hint}")
     return steps
+
+
+def accumulate(gradients: Callable, sources: list, metric_size: int, micro_batches: int, take: Callable) -> Callable:
+    """`gradients` over train.accumulation_steps micro-batches: (x, y, weight=None) holding K micro-batches
+    (`take(tensor, k)` cuts out the k-th) -> (the sum of their gradients, the sum of their metric deltas).
+    A while loop with parallel_iterations=1 runs one micro-batch after the other, so memory holds the
+    activations of one micro-batch only. The gradients come from a loss already divided by the effective
+    batch, so their sum is the gradient of the effective batch's mean loss. Sparse gradients (Embedding)
+    are summed dense."""
+    if micro_batches == 1:
+        return gradients
+
+    def accumulated(x, y, weight=None):
+        unused: list[bool] = []  # variables the loss does not reach get None, as without accumulation
+
+        def body(k, sums, delta):
+            def part(t):
+                return take(t, k)
+            grads, step_delta = gradients(tf.nest.map_structure(part, x), part(y),
+                                          None if weight is None else part(weight))
+            unused[:] = [g is None for g in grads]
+            sums = [s if g is None else s + tf.convert_to_tensor(g) for s, g in zip(sums, grads)]
+            return k + 1, sums, delta + step_delta
+
+        zeros = [tf.zeros(v.shape, v.dtype) for v in sources]
+        _, sums, delta = tf.while_loop(lambda k, *_: k < micro_batches, body,
+                                       (tf.constant(0), zeros, tf.zeros([metric_size], tf.float64)),
+                                       parallel_iterations=1)
+        return [None if skip else g for g, skip in zip(sums, unused)], delta
+
+    return accumulated
+
+
+def agree_on_overflow(grads: list) -> list:
+    """Mixed float16 under MultiWorkerMirrored: make every replica see non-finite gradients when any
+    replica's are. Keras 3's LossScaleOptimizer checks the gradients it is given, which are each
+    replica's own (the all-reduce happens later, inside the inner optimizer); a worker that overflows
+    alone would skip the step while the others enter its all-reduce, and the workers' collectives would
+    drift apart. One scalar all-reduce per optimizer step keeps them in step."""
+    present = [g for g in grads if g is not None]
+    finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(_values(g))) for g in present])
+    overflowed = tf.distribute.get_replica_context().all_reduce(
+        tf.distribute.ReduceOp.SUM, 1.0 - tf.cast(finite, tf.float32))
+    poison = tf.where(overflowed > 0, float("nan"), 1.0)
+    return [None if g is None else _scaled(g, poison) for g in grads]
+
+
+def _values(g):
+    return g.values if isinstance(g, tf.IndexedSlices) else g
+
+
+def _scaled(g, factor):
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(g.values * tf.cast(factor, g.values.dtype), g.indices, g.dense_shape)
+    return g * tf.cast(factor, g.dtype)
 
 
 def make_gradients(model: keras.Model, optimizer, loss_fn, acc: Accumulator, global_batch_size: int,
@@ -230,16 +292,23 @@ def make_gradients(model: keras.Model, optimizer, loss_fn, acc: Accumulator, glo
 
 
 def make_step_functions(strategy: tf.distribute.Strategy, model: keras.Model, optimizer, loss_fn,
-                        train_acc: Accumulator, eval_acc: Accumulator, global_batch_size: int,
-                        jit_compile: bool = False) -> StepFunctions:
+                        train_acc: Accumulator, eval_acc: Accumulator, spec: JobSpec) -> StepFunctions:
+    """MultiWorkerMirrored's steps. A train step is one optimizer step: train.accumulation_steps
+    micro-batches per replica (the iterator's elements hold them stacked on axis 0), then one all-reduce."""
     local_replicas = len(strategy.extended.worker_devices)
-    gradients = make_gradients(model, optimizer, loss_fn, train_acc, global_batch_size, model.trainable_variables)
+    variables = model.trainable_variables
+    gradients = make_gradients(model, optimizer, loss_fn, train_acc, spec.train.effective_batch_size, variables)
     # XLA compiles the forward and backward pass; the gradient all-reduce in apply_gradients stays outside.
-    compiled = tf.function(gradients, jit_compile=True) if jit_compile else gradients
+    compiled = tf.function(gradients, jit_compile=True) if spec.train.jit_compile else gradients
+    compiled = accumulate(compiled, variables, sum(train_acc.sizes), spec.train.accumulation_steps,
+                          take=lambda t, k: t[k])
+    loss_scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
 
     def train_replica(x, y, weight=None):
         grads, delta = compiled(x, y, weight)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))  # unscales under loss scaling
+        if loss_scaled:
+            grads = agree_on_overflow(grads)
+        optimizer.apply_gradients(zip(grads, variables))  # unscales under loss scaling
         return delta
 
     @tf.function

@@ -58,10 +58,17 @@ class Backend:
         return task.role
 
     def with_workers(self, spec: "JobSpec", workers: int) -> "JobSpec":
-        """The spec for an attempt with `workers` workers (an elastic restart)."""
+        """The spec for an attempt with `workers` workers (an elastic restart): the effective batch kept
+        as raytf.driver.policy.elastic_batch says."""
         if workers == spec.cluster.workers:
             return spec
-        return spec.model_copy(update={"cluster": spec.cluster.model_copy(update={"workers": workers})})
+        from raytf.driver.policy import elastic_batch
+
+        batch = elastic_batch(spec, workers)
+        train = spec.train.model_copy(update={"global_batch_size": batch.global_batch_size,
+                                              "accumulation_steps": batch.accumulation_steps})
+        return spec.model_copy(update={"cluster": spec.cluster.model_copy(update={"workers": workers}),
+                                       "train": train})
 
     def who(self, ranks: list[int]) -> str:
         """The ranks a message is about ("rank(s) [1]")."""

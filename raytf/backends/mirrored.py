@@ -49,6 +49,9 @@ class Mirrored(Backend):
         if given:
             raise ValueError(f"cluster.{given[0]} is for strategy: parameter_server; remove it, or set "
                              f"strategy: parameter_server")
+        if spec.cluster.communication == "nccl" and spec.cluster.gpus_per_worker == 0:
+            raise ValueError("cluster.communication: nccl needs a GPU on every worker, and cluster.gpus_per_worker "
+                             "is 0 (CPU workers); use communication: ring (or auto), or give each worker a GPU")
 
     def check_batch(self, spec: "JobSpec") -> None:
         replicas, batch = spec.cluster.replicas, spec.train.global_batch_size

@@ -78,6 +78,9 @@ class ParameterServer(Backend):
             (spec.data is not None and spec.data.remainder == "pad", "data.remainder: pad",
              "use remainder: drop (TensorFlow's ClusterCoordinator sends each step to whichever worker is "
              "free, so an epoch is a number of steps, not an exact pass over each worker's rows)"),
+            (cluster.communication != "auto" or cluster.collective_timeout_s is not None,
+             "cluster.communication" if cluster.communication != "auto" else "cluster.collective_timeout_s",
+             "remove it: it sets MultiWorkerMirrored's collectives, and parameter servers have none (gRPC only)"),
             (cluster.gpu_placement == "per_node", "cluster.gpu_placement: per_node",
              "use per_gpu or set gpus_per_worker (per_node would put the chief and every ps task on a node of its own)"),
         ]

@@ -27,6 +27,7 @@ from raytf.driver.policy import (
     ReplacementPolicy,
     RestartPolicy,
     ScalingPolicy,
+    elastic_batch,
     peer_grace_s,
     stalled,
 )
@@ -218,8 +219,10 @@ class Controller:
         self.attempt = _Attempt(attempt_spec, payload, backend.bundles(attempt_spec),
                                 replacements=ReplacementPolicy(attempt_spec.cluster.workers, self.limits))
         self.result.workers = attempt_spec.cluster.workers
+        self.result.batch = elastic_batch(spec, workers).to_dict()
         if self.decisions:
-            self.decisions[-1].update(resumed_from_step=resume_from.step if resume_from else 0, workers=workers)
+            self.decisions[-1].update(resumed_from_step=resume_from.step if resume_from else 0, workers=workers,
+                                      batch=self.result.batch)
         self._phase("reserve_s")
         self.state = STARTING
 
@@ -445,7 +448,7 @@ class Controller:
             train_s = chief["finished_at"] - chief["first_step_at"]
             steps_after_first = max(chief["steps_run"] - 1, 0)
             if train_s > 0 and steps_after_first:
-                result.examples_per_s = round(steps_after_first * spec.train.global_batch_size / train_s, 1)
+                result.examples_per_s = round(steps_after_first * spec.train.effective_batch_size / train_s, 1)
         model_path = self.job.output_dir / "model.keras"
         result.model_path = str(model_path) if model_path.exists() else None
         tb = self.job.output_dir / "tensorboard"

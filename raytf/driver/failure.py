@@ -1,7 +1,7 @@
 """What went wrong in an attempt, and what to do about it: pure functions, no Ray, no TensorFlow.
 
 The controller turns whatever it saw (exceptions from ranks, a stalled rank, a start-up error) into a
-Failure, root cause first; raytf.driver.policy decides what to do about it; `elastic_sizes` says which
+Failure, root cause first; raytf.driver.policy decides what to do about it
 smaller worker counts may replace a full-size restart the cluster cannot hold.
 """
 from __future__ import annotations
@@ -64,9 +64,3 @@ def aggregate(errors: list[RankError]) -> Failure:
     lines = [f"rank(s) {', '.join(map(str, ranks))}: {msg}" for msg, ranks in causes.items()]
     message = lines[0] + ("; then " + "; ".join(lines[1:]) if len(lines) > 1 else "")
     return Failure(kind=root.kind, message=message, ranks=tuple(causes[root.message]), causes=causes)
-
-
-def elastic_sizes(workers: int, min_workers: int, global_batch: int, replicas_per_worker: int) -> list[int]:
-    """Worker counts to try, largest first, from `workers` down to `min_workers`, keeping only those
-    that divide the global batch (the global batch stays; the per-replica batch grows)."""
-    return [w for w in range(workers, min_workers - 1, -1) if global_batch % (w * replicas_per_worker) == 0]

@@ -55,9 +55,46 @@ class RestartPolicy:
         return Decision("restart", f"restart {charged_so_far + 1} of {self.max_restarts}")
 
 
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+    """The batch of an attempt with some number of workers. kept: "per_replica_batch" (fewer workers,
+    more accumulation steps: memory per GPU unchanged), "global_batch" (the per-replica batch grows,
+    where accumulation cannot make up the difference evenly) or "as_asked" (all the workers)."""
+
+    global_batch_size: int
+    accumulation_steps: int
+    per_replica_batch_size: int
+    kept: Literal["per_replica_batch", "global_batch", "as_asked"]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def elastic_batch(spec: "JobSpec", workers: int) -> BatchPlan | None:
+    """How `workers` workers keep the effective batch (global_batch_size x accumulation_steps), and with it
+    the steps per epoch, the learning rate and the schedule: first by raising accumulation so each replica's
+    batch stays; else by a larger per-replica batch; None when neither divides evenly."""
+    full, per_worker = spec.cluster.workers, spec.cluster.replicas_per_worker
+    batch, steps = spec.train.global_batch_size, spec.train.accumulation_steps
+    if workers == full:
+        return BatchPlan(batch, steps, batch // (full * per_worker), "as_asked")
+    if (steps * full) % workers == 0:  # the per-replica batch stays, so the global batch shrinks with the workers
+        return BatchPlan(batch * workers // full, steps * full // workers, batch // (full * per_worker),
+                         "per_replica_batch")
+    if batch % (workers * per_worker) == 0:
+        return BatchPlan(batch, steps, batch // (workers * per_worker), "global_batch")
+    return None
+
+
+def elastic_sizes(spec: "JobSpec", min_workers: int) -> list[int]:
+    """Worker counts to try, largest first, from cluster.workers down to `min_workers`, keeping only
+    those that keep the effective batch (elastic_batch)."""
+    return [w for w in range(spec.cluster.workers, min_workers - 1, -1) if elastic_batch(spec, w) is not None]
+
+
 class ScalingPolicy:
     """How many workers each reservation asks for, and for how long: the full count first; after a failure,
-    with failure.elastic, smaller counts that keep the global batch divisible, down to min_workers."""
+    with failure.elastic, smaller counts that keep the effective batch (elastic_batch), down to min_workers."""
 
     def __init__(self, spec: "JobSpec", limits: Limits, elastic_supported: bool):
         self.spec, self.limits, self.elastic_supported = spec, limits, elastic_supported
@@ -67,8 +104,7 @@ class ScalingPolicy:
         full = (spec.cluster.workers, spec.cluster.reserve_timeout_s)
         if not (after_failure and self.elastic_supported and spec.failure.elastic is not None):
             return [full]
-        counts = failure_lib.elastic_sizes(spec.cluster.workers, spec.failure.elastic.min_workers,
-                                           spec.train.global_batch_size, spec.cluster.replicas_per_worker)
+        counts = elastic_sizes(spec, spec.failure.elastic.min_workers)
         smaller = min(self.limits.elastic_reserve_timeout_s, spec.cluster.reserve_timeout_s)
         return [full] + [(n, smaller) for n in counts if n != spec.cluster.workers]
 

@@ -26,6 +26,9 @@ class Result:
     time_to_first_step_s: float | None = None
     rendezvous_attempts: int = 1
     workers: int | None = None  # in the attempt that finished (fewer than asked after an elastic restart)
+    # that attempt's global batch, accumulation steps, per-replica batch, and which of them an elastic
+    # restart kept ("per_replica_batch", "global_batch"; "as_asked" with all workers)
+    batch: dict[str, Any] | None = None
     restarts: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # when, why, ranks, nodes, resumed step
     phases: dict[str, float] = dataclasses.field(default_factory=dict)  # reserve_s, start_s, train_s, finish_s
     error: str | None = None

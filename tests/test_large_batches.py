@@ -1,0 +1,261 @@
+"""Large global batches: learning-rate schedules with warmup (checked against Keras's own classes, and
+across a resume), the scaling rule, gradient accumulation that equals one large batch, elastic restarts
+that keep the effective batch, and the collective options."""
+import json
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import raytf
+from raytf import learning_rate
+from raytf.actor import schedules
+from raytf.checkpoint import Storage
+from raytf.cli import main
+from raytf.driver.controller import run
+from raytf.errors import SpecError, TrainingFailed
+from raytf.spec import load, parse
+from tests.conftest import assert_nothing_left, base_spec, write_job
+from tests.faults import Killer
+
+TRAIN_ROWS = 1437
+
+
+def spec_error(**sections):
+    with pytest.raises(SpecError) as info:
+        parse(base_spec(**sections))
+    return str(info.value)
+
+
+# ---------------------------------------------------------------- pure: spec, plan, schedule values
+
+
+@pytest.mark.timeout(30)
+def test_schedule_keys_are_checked_per_schedule_with_an_example():
+    assert "every is not a key of schedule cosine" in spec_error(
+        optimizer={"schedule": {"name": "cosine", "every": {"epochs": 1}}})
+    assert "schedule step needs every" in spec_error(optimizer={"schedule": {"name": "step"}})
+    assert "e.g. {name: exponential" in spec_error(optimizer={"schedule": {"name": "exponential", "every": {"steps": 9}}})
+    assert "2 boundaries need 2 factors" in spec_error(
+        optimizer={"schedule": {"name": "piecewise", "boundaries": {"epochs": [1, 2]}, "factors": [0.1]}})
+    assert "strictly increasing" in spec_error(
+        optimizer={"schedule": {"name": "piecewise", "boundaries": {"steps": [5, 5]}, "factors": [0.1, 0.1]}})
+    assert "give epochs or steps" in spec_error(optimizer={"schedule": {"warmup": {"epochs": 1, "steps": 3}}})
+    msg = spec_error(optimizer={"schedule": {"name": "cosine", "warmup": {"epochs": 2}}})  # train.epochs is 2
+    assert "warmup.epochs 2 is not shorter than train.epochs 2" in msg
+    assert "optimizer.scale_lr.base_batch_size: missing" in spec_error(optimizer={"scale_lr": {"rule": "linear"}})
+    assert "use train.accumulation_steps" in spec_error(optimizer={"options": {"gradient_accumulation_steps": 4}})
+    assert "train.accumulation_steps: input should be greater than or equal to 1" in spec_error(
+        train={"accumulation_steps": 0})
+
+
+@pytest.mark.timeout(30)
+def test_a_warmup_longer_than_training_in_steps_is_caught_at_load(job_dir):
+    spec = base_spec(optimizer={"schedule": {"name": "constant", "warmup": {"steps": 45}}})  # 2 x 22 steps
+    with pytest.raises(SpecError, match="warmup is 45 optimizer steps, not shorter than training's 44"):
+        load(write_job(job_dir, spec), check_code=False)
+    big = base_spec(train={"global_batch_size": 512, "accumulation_steps": 4})
+    with pytest.raises(SpecError, match="fewer than one global batch of 512 x 4"):
+        load(write_job(job_dir, big), check_code=False)
+
+
+@pytest.mark.timeout(30)
+def test_the_scaling_rule_uses_the_effective_batch():
+    spec = parse(base_spec(optimizer={"learning_rate": 0.1, "scale_lr": {"rule": "linear", "base_batch_size": 32}},
+                           train={"global_batch_size": 64, "accumulation_steps": 4}))
+    assert learning_rate.peak(spec) == pytest.approx(0.1 * 256 / 32)
+    sqrt = parse(base_spec(optimizer={"learning_rate": 0.1, "scale_lr": {"rule": "sqrt", "base_batch_size": 16}}))
+    assert learning_rate.peak(sqrt) == pytest.approx(0.1 * 2)
+
+
+@pytest.mark.timeout(30)
+def test_plans_convert_epochs_to_optimizer_steps():
+    cosine = learning_rate.plan(parse(base_spec(
+        train={"epochs": 10}, optimizer={"learning_rate": 0.2, "schedule": {
+            "name": "cosine", "alpha": 0.1, "warmup": {"epochs": 1.5, "start_factor": 0.25}}})), 20)
+    assert (cosine.total_steps, cosine.warmup_steps, cosine.decay_steps, cosine.alpha) == (200, 30, 170, 0.1)
+    step = learning_rate.plan(parse(base_spec(train={"epochs": 10}, optimizer={
+        "schedule": {"name": "step", "every": {"epochs": 3}}})), 20)
+    assert (step.decay_steps, step.factor, step.staircase) == (60, 0.1, True)
+    piecewise = learning_rate.plan(parse(base_spec(train={"epochs": 10}, optimizer={"learning_rate": 1.0, "schedule": {
+        "name": "piecewise", "boundaries": {"epochs": [3, 6]}, "factors": [0.1, 0.01]}})), 20)
+    assert piecewise.boundaries == (60, 120) and piecewise.values == pytest.approx((1.0, 0.1, 0.01))
+
+
+@pytest.mark.timeout(30)
+def test_schedules_are_keras_own_and_the_warmup_ramps_into_them():
+    def at(plan, steps):
+        built = schedules.build_schedule(plan)
+        return [float(built(s)) if callable(built) else built for s in steps]
+
+    cosine = learning_rate.Plan("cosine", 0.2, 200, warmup_steps=30, warmup_start_factor=0.25, decay_steps=170,
+                                alpha=0.1)
+    keras_cosine = keras.optimizers.schedules.CosineDecay(0.05, 170, alpha=0.1, warmup_target=0.2, warmup_steps=30)
+    steps = [0, 1, 15, 29, 30, 31, 100, 199, 250]
+    assert at(cosine, steps) == pytest.approx([float(keras_cosine(s)) for s in steps])
+
+    exponential = learning_rate.Plan("exponential", 0.1, 100, warmup_steps=10, decay_steps=20, factor=0.5)
+    keras_exp = keras.optimizers.schedules.ExponentialDecay(0.1, 20, 0.5)
+    after = float(keras_exp(10))
+    assert at(exponential, [0, 5, 10, 50]) == pytest.approx([0.0, after / 2, after, float(keras_exp(50))])
+
+    piecewise = learning_rate.Plan("piecewise", 1.0, 100, warmup_steps=4, warmup_start_factor=0.5,
+                                   boundaries=(60,), values=(1.0, 0.1))
+    assert at(piecewise, [0, 2, 4, 60, 61]) == pytest.approx([0.5, 0.75, 1.0, 1.0, 0.1])
+    assert schedules.build_schedule(learning_rate.Plan("constant", 0.3, 100)) == 0.3
+    warm = schedules.build_schedule(learning_rate.Plan("constant", 0.3, 100, warmup_steps=3))
+    restored = schedules.LinearWarmup.from_config(warm.get_config())
+    assert [float(restored(s)) for s in (0, 1, 3, 9)] == pytest.approx([0.0, 0.1, 0.3, 0.3])
+
+
+@pytest.mark.timeout(30)
+def test_nccl_on_cpu_workers_is_exit_2_before_any_actor(job_dir):
+    path = write_job(job_dir, base_spec())
+    result = CliRunner().invoke(main, ["run", str(path), "--set", "cluster.communication=nccl"])
+    assert result.exit_code == 2
+    assert "cluster.communication: nccl needs a GPU on every worker" in result.output
+    assert "gpus_per_worker is 0" in result.output and "ring" in result.output
+    ps = spec_error(strategy="parameter_server", cluster={"ps": 1, "communication": "ring"})
+    assert "cluster.communication is not supported with strategy: parameter_server" in ps
+    assert "train.accumulation_steps is for raytf's loop" in spec_error(
+        train_fn="tmodel:build_model", train={"accumulation_steps": 2})
+
+
+# ---------------------------------------------------------------- on the cluster
+
+SGD = {"name": "sgd", "learning_rate": 0.05,
+       "schedule": {"name": "cosine", "alpha": 0.1, "warmup": {"epochs": 1, "start_factor": 0.1}}}
+
+
+def final_weights(result):
+    model = keras.models.load_model(result.model_path, compile=False)
+    return model.get_weights()
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_four_micro_batches_end_with_the_weights_of_one_batch_four_times_larger(cluster, job_dir):
+    """SGD, no dropout or batch norm, 2 workers: K=4 at global batch 16 is K=1 at 64, step for step, the
+    warmup + cosine schedule included (it counts optimizer steps, not micro-batches)."""
+    common = dict(optimizer=SGD, output={"tensorboard": False}, data={"train": "data/digits-train.parquet",
+                  "validation": None, "features": ["pixels"], "label": "label"})
+    large = raytf.fit(write_job(job_dir, base_spec(**common, name="large", train={
+        "epochs": 2, "global_batch_size": 64, "seed": 3}), "large.yaml"))
+    accumulated = raytf.fit(write_job(job_dir, base_spec(**common, name="accumulated", train={
+        "epochs": 2, "global_batch_size": 16, "accumulation_steps": 4, "seed": 3}), "accumulated.yaml"))
+    steps = TRAIN_ROWS // 64
+    for result in (large, accumulated):
+        assert [t["optimizer_steps"] for t in result.tasks] == [2 * steps] * 2
+        assert len({t["weights_digest"] for t in result.tasks}) == 1
+        assert [h["examples"] for h in result.history] == [steps * 64] * 2
+    assert accumulated.batch == {"global_batch_size": 16, "accumulation_steps": 4, "per_replica_batch_size": 8,
+                                 "kept": "as_asked"}
+    for a, b in zip(final_weights(accumulated), final_weights(large)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert [h["learning_rate"] for h in accumulated.history] == pytest.approx(
+        [h["learning_rate"] for h in large.history], rel=1e-6)
+    assert [h["loss"] for h in accumulated.history] == pytest.approx([h["loss"] for h in large.history], rel=1e-4)
+    assert accumulated.history[-1]["loss"] < accumulated.history[0]["loss"]
+    assert accumulated.examples_per_s is not None and accumulated.examples_per_s > 0
+    assert_nothing_left()
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_a_resume_from_mid_epoch_continues_the_schedule_exactly(cluster, job_dir):
+    """The learning rate of every epoch, in result.json and TensorBoard, is Keras's CosineDecay at that
+    epoch's last optimizer step, whether the run was resumed from a mid-epoch checkpoint or not."""
+    optimizer = {"name": "sgd", "learning_rate": 0.05, "schedule": {
+        "name": "cosine", "decay": {"epochs": 3}, "warmup": {"epochs": 1}}}
+    steps = TRAIN_ROWS // 64  # 22 optimizer steps per epoch (global 32 x 2 micro-batches)
+    spec = base_spec(optimizer=optimizer, train={"epochs": 4, "global_batch_size": 32, "accumulation_steps": 2,
+                                                 "seed": 1})
+    whole = raytf.fit(write_job(job_dir, {**spec, "name": "whole"}, "whole.yaml"))
+    resumed_spec = {**spec, "name": "resumed", "checkpoint": {"dir": str(job_dir / "ckpt"), "every_steps": 15}}
+    path = write_job(job_dir, resumed_spec, "resumed.yaml")
+    raytf.fit(path, {"train.epochs": 2})
+    assert Storage(str(job_dir / "ckpt")).latest().step == 30  # epoch 2, 8 of its 22 steps done
+    resumed = raytf.fit(path, resume=True)
+
+    keras_cosine = keras.optimizers.schedules.CosineDecay(0.0, 3 * steps, warmup_target=0.05, warmup_steps=steps)
+    expected = [float(keras_cosine(e * steps - 1)) for e in (1, 2, 3, 4)]
+    assert [h["learning_rate"] for h in whole.history] == pytest.approx(expected, rel=1e-6)
+    assert [h["learning_rate"] for h in resumed.history] == pytest.approx(expected, rel=1e-6)
+    assert [t["optimizer_steps"] for t in resumed.tasks] == [4 * steps] * 2
+    for a, b in zip(final_weights(resumed), final_weights(whole)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    events = list((job_dir / "runs" / "resumed" / "tensorboard").rglob("events.out.tfevents.*"))
+    assert events, "no TensorBoard events"
+    assert_nothing_left()
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_mixed_float16_accumulation_trains_and_keeps_workers_identical(cluster, job_dir):
+    result = raytf.fit(write_job(job_dir, base_spec(train={
+        "epochs": 2, "global_batch_size": 32, "accumulation_steps": 2, "precision": "mixed_float16"},
+        output={"tensorboard": False})))
+    assert len({t["weights_digest"] for t in result.tasks}) == 1
+    assert [t["optimizer_steps"] for t in result.tasks] == [2 * (TRAIN_ROWS // 64)] * 2
+    assert result.history[-1]["loss"] < result.history[0]["loss"]
+    assert result.history[-1]["val_accuracy"] > 0.8
+    assert_nothing_left()
+
+
+STATEFUL_MODEL = textwrap.dedent('''
+    import keras
+
+    def build_model():
+        return keras.Sequential([keras.Input(shape=(64,)), keras.layers.Dense(32), keras.layers.BatchNormalization(),
+                                 keras.layers.ReLU(), keras.layers.Dropout(0.2), keras.layers.Dense(10)])
+''')
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_an_elastic_restart_keeps_the_effective_batch_by_raising_accumulation(cluster, job_dir):
+    """4 workers x 8 rows, global batch 32; a node is lost. 3 workers would need 4/3 accumulation steps or
+    32/3 rows, so raytf goes on with 2 workers x 8 rows x 2 accumulation steps: same effective batch,
+    same steps per epoch, same per-replica memory."""
+    (job_dir / "stateful.py").write_text(STATEFUL_MODEL)
+    c, _ = cluster
+    extra = c.add_node(num_cpus=1)  # 4 CPUs in all: one worker per CPU
+    c.wait_for_nodes()
+    killer = Killer(rank=0, at_step=25, attempts={1}, kill=lambda actor: c.remove_node(extra))
+    spec = base_spec(model="stateful:build_model", train={"epochs": 2, "global_batch_size": 32, "seed": 7},
+                     cluster={"workers": 4, "cpus_per_worker": 1, "reserve_timeout_s": 5},
+                     checkpoint={"dir": str(job_dir / "ckpt"), "every_steps": 20},
+                     failure={"max_restarts": 1, "hang_timeout_s": 60, "elastic": {"min_workers": 2}},
+                     output={"tensorboard": False})
+    try:
+        result = run(load(write_job(job_dir, spec)), group_cls=killer.group_cls)
+    finally:
+        if extra in c.worker_nodes:
+            c.remove_node(extra)
+    assert killer.killed_at, "the node was never removed"
+    restart = result.restarts[0]
+    assert result.workers == 2 and restart["workers"] == 2
+    kept = {"global_batch_size": 16, "accumulation_steps": 2, "per_replica_batch_size": 8, "kept": "per_replica_batch"}
+    assert restart["batch"] == kept and result.batch == kept
+    saved = json.loads((job_dir / "runs" / "t" / "result.json").read_text())
+    assert saved["batch"] == kept
+    steps = TRAIN_ROWS // 32
+    assert [t["optimizer_steps"] for t in result.tasks] == [2 * steps] * 2  # the schedule's steps, unchanged
+    assert [h["examples"] for h in result.history] == [steps * 32] * 2
+    assert len({t["weights_digest"] for t in result.tasks}) == 1
+    assert_nothing_left()
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_nccl_on_a_worker_that_sees_no_gpu_fails_with_the_reason(cluster, job_dir):
+    """Ray's logical GPUs are not GPUs TensorFlow can use: a nccl job on them fails at start, naming it."""
+    spec = base_spec(cluster={"workers": 2, "cpus_per_worker": 0.5, "gpus_per_worker": 1, "communication": "nccl"},
+                     output={"tensorboard": False})
+    with pytest.raises(TrainingFailed) as info:
+        raytf.fit(write_job(job_dir, spec))
+    assert "nccl needs a GPU on every worker" in str(info.value) and "sees none" in str(info.value)
+    assert info.value.exit_code == 1
+    assert_nothing_left()
