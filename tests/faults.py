@@ -1,7 +1,9 @@
 """Fault injection for the fault-tolerance tests: kill a rank's actor (or a whole node) once training
-has passed a given step, from a thread that watches progress closely."""
+has passed a given step, from a thread that watches progress closely; or a dataset_fn whose rank 1
+stalls, alive, without dying."""
 from __future__ import annotations
 
+import textwrap
 import threading
 import time
 
@@ -47,3 +49,29 @@ class Killer:
                 self.kill(actor)
                 return
             time.sleep(0.05)
+
+
+# A dataset_fn module: rank 1 stalls at its 30th row (once: the marker file says it did), alive but silent.
+STALLING_DATA = textwrap.dedent('''
+    import json, os, time
+    import numpy as np
+    import tensorflow as tf
+
+    MARKER = {marker!r}  # absolute: every node, every attempt sees the same file
+
+    def dataset_fn(ctx):
+        rank = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+        rng = np.random.default_rng(rank)
+        x = rng.normal(size=(64, 64)).astype("float32")
+        y = rng.integers(0, 10, size=64)
+
+        def gen():
+            for i in range(10**9):
+                if rank == 1 and i == 30 and not os.path.exists(MARKER):
+                    open(MARKER, "w").write(str(time.time()))
+                    time.sleep(3600)  # stalls without dying
+                yield x[i % 64], y[i % 64]
+
+        sig = (tf.TensorSpec((64,), tf.float32), tf.TensorSpec((), tf.int64))
+        return tf.data.Dataset.from_generator(gen, output_signature=sig).batch(ctx.get_per_replica_batch_size(16))
+''')

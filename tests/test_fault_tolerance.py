@@ -1,7 +1,6 @@
 """Checkpoints and recovery on the local multi-node cluster: a dead or hung worker costs at most one
 checkpoint interval, never a hang; restarts are bounded; resume continues where a run stopped."""
 import json
-import textwrap
 import time
 
 import pytest
@@ -14,7 +13,7 @@ from raytf.driver.controller import run
 from raytf.errors import SpecError, TrainingFailed
 from raytf.spec import load
 from tests.conftest import assert_nothing_left, base_spec, write_job
-from tests.faults import Killer
+from tests.faults import STALLING_DATA, Killer
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -61,29 +60,6 @@ def test_a_killed_worker_costs_one_restart_and_the_run_ends_where_it_would_have(
     assert_nothing_left()
 
 
-STALLING_DATA = textwrap.dedent('''
-    import json, os, time
-    import numpy as np
-    import tensorflow as tf
-
-    MARKER = {marker!r}  # absolute: every node, every attempt sees the same file
-
-    def dataset_fn(ctx):
-        rank = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
-        rng = np.random.default_rng(rank)
-        x = rng.normal(size=(64, 64)).astype("float32")
-        y = rng.integers(0, 10, size=64)
-
-        def gen():
-            for i in range(10**9):
-                if rank == 1 and i == 30 and not os.path.exists(MARKER):
-                    open(MARKER, "w").write(str(time.time()))
-                    time.sleep(3600)  # stalls without dying
-                yield x[i % 64], y[i % 64]
-
-        sig = (tf.TensorSpec((64,), tf.float32), tf.TensorSpec((), tf.int64))
-        return tf.data.Dataset.from_generator(gen, output_signature=sig).batch(ctx.get_per_replica_batch_size(16))
-''')
 
 
 def test_a_stalled_worker_is_detected_within_the_hang_timeout_and_restarted(cluster, job_dir):

@@ -2,7 +2,11 @@
 across a resume), the scaling rule, gradient accumulation that equals one large batch, elastic restarts
 that keep the effective batch, and the collective options."""
 import json
+import os
+import subprocess
+import sys
 import textwrap
+import time
 
 import keras
 import numpy as np
@@ -18,7 +22,7 @@ from raytf.driver.controller import run
 from raytf.errors import SpecError, TrainingFailed
 from raytf.spec import load, parse
 from tests.conftest import assert_nothing_left, base_spec, write_job
-from tests.faults import Killer
+from tests.faults import STALLING_DATA, Killer
 
 TRAIN_ROWS = 1437
 
@@ -121,6 +125,52 @@ def test_nccl_on_cpu_workers_is_exit_2_before_any_actor(job_dir):
     assert "cluster.communication is not supported with strategy: parameter_server" in ps
     assert "train.accumulation_steps is for raytf's loop" in spec_error(
         train_fn="tmodel:build_model", train={"accumulation_steps": 2})
+
+
+OVERFLOW_ON_ONE_REPLICA = textwrap.dedent('''
+    import json, sys
+    import tensorflow as tf
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    import keras
+    from raytf.actor import steps
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    out = {}
+    for agree in (False, True):
+        with strategy.scope():
+            weight = keras.Variable([1.0, 1.0])
+            optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+            optimizer.build([weight])
+
+        @tf.function
+        def step():
+            def replica():
+                second = tf.distribute.get_replica_context().replica_id_in_sync_group == 1
+                grads = [tf.where(second, float("inf"), 1.0) * tf.ones([2])]  # only replica 1 overflows
+                if agree:
+                    grads = steps.agree_on_overflow(grads)
+                optimizer.apply_gradients(zip(grads, [weight]))
+            strategy.run(replica)
+
+        scale = float(optimizer.dynamic_scale.numpy())
+        step()
+        out[str(agree)] = {"weight": [float(w) for w in weight.numpy()],
+                           "scale_halved": float(optimizer.dynamic_scale.numpy()) == scale / 2}
+    print(json.dumps(out))
+''')
+
+
+@pytest.mark.timeout(120)
+def test_an_overflow_on_one_replica_skips_the_step_on_every_replica():
+    """Keras 3's LossScaleOptimizer checks each replica's own gradients, before the all-reduce: alone, it
+    applies a step whose sum is inf when only replica 1 overflowed. raytf makes the replicas agree."""
+    proc = subprocess.run([sys.executable, "-c", OVERFLOW_ON_ONE_REPLICA], capture_output=True, text=True,
+                          timeout=100, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not all(np.isfinite(out["False"]["weight"])), out  # Keras alone: the inf step was applied
+    assert out["True"] == {"weight": [1.0, 1.0], "scale_halved": True}, out  # skipped everywhere, scale halved
 
 
 # ---------------------------------------------------------------- on the cluster
@@ -258,4 +308,24 @@ def test_nccl_on_a_worker_that_sees_no_gpu_fails_with_the_reason(cluster, job_di
         raytf.fit(write_job(job_dir, spec))
     assert "nccl needs a GPU on every worker" in str(info.value) and "sees none" in str(info.value)
     assert info.value.exit_code == 1
+    assert_nothing_left()
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_a_stalled_peer_fails_the_collective_after_collective_timeout_s(cluster, job_dir):
+    """Rank 1's input stalls (alive, heartbeats flowing, so TensorFlow's coordination service sees
+    nothing wrong) while rank 0 waits in the step's all-reduce. With cluster.collective_timeout_s that
+    all-reduce fails after 10 s, long before the hang watchdog (failure.hang_timeout_s 120)."""
+    (job_dir / "stall.py").write_text(STALLING_DATA.replace("{marker!r}", repr(str(job_dir / "stalled-once"))))
+    spec = base_spec(dataset_fn="stall:dataset_fn", train={"epochs": 2, "global_batch_size": 16, "steps_per_epoch": 40},
+                     cluster={"workers": 2, "cpus_per_worker": 0.5, "collective_timeout_s": 10},
+                     failure={"hang_timeout_s": 120, "max_restarts": 0}, output={"tensorboard": False})
+    spec.pop("data")
+    with pytest.raises(TrainingFailed) as info:
+        raytf.fit(write_job(job_dir, spec))
+    failed_after = time.time() - float((job_dir / "stalled-once").read_text())
+    message = str(info.value)
+    assert 10 <= failed_after < 40, failed_after
+    assert "rank(s) 0" in message and "collective_timeout_s" in message and "no progress" not in message, message
     assert_nothing_left()

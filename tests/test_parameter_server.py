@@ -106,15 +106,20 @@ def test_one_ps_two_workers_train_with_the_variables_on_the_ps(cluster, ps_dir, 
     assert_nothing_left()
 
 
-@pytest.mark.parametrize("precision", ["mixed_bfloat16", "mixed_float16"])
-def test_parameter_servers_train_in_mixed_precision(cluster, ps_dir, criteo_data, precision):
+@pytest.mark.parametrize("precision, accumulation", [("mixed_bfloat16", 1), ("mixed_float16", 2)])
+def test_parameter_servers_train_in_mixed_precision(cluster, ps_dir, criteo_data, precision, accumulation):
     """The same loop as under mirrored: 16-bit compute with float32 variables on the ps task (float16
-    with loss scaling). (train.jit_compile is a spec error: XLA cannot reach variables on the ps tasks.)"""
-    result = run(load(write_job(ps_dir, ps_spec(criteo_data, train={"epochs": 2, "precision": precision}))))
+    with loss scaling), and gradient accumulation: each scheduled step runs its K micro-batches on one
+    worker, then applies once (the sharded table's sparse gradients summed dense). (train.jit_compile is
+    a spec error: XLA cannot reach variables on the ps tasks.)"""
+    train = {"epochs": 2, "precision": precision, "global_batch_size": BATCH // accumulation,
+             "accumulation_steps": accumulation}
+    result = run(load(write_job(ps_dir, ps_spec(criteo_data, train=train))))
     assert result.status == "succeeded"
     losses = [h["loss"] for h in result.history]
     assert all(loss == loss for loss in losses) and losses[-1] < losses[0], losses  # finite, and going down
     assert [h["examples"] for h in result.history] == [STEPS_PER_EPOCH * BATCH] * 2
+    assert result.tasks[0]["steps"] == 2 * STEPS_PER_EPOCH  # optimizer steps, one per K micro-batches
     model = keras.models.load_model(result.model_path)
     assert all(w.dtype == "float32" for w in model.get_weights())
     assert model.layers[-1].dtype_policy.name == precision

@@ -114,6 +114,13 @@ class MirroredRunner:
             except tf.errors.OutOfRangeError:
                 raise ValueError(f"dataset_fn's dataset ended during epoch {epoch}; make it longer (e.g. .repeat()) "
                                  f"or lower train.steps_per_epoch") from None
+            except tf.errors.DeadlineExceededError:
+                timeout_s = self.payload.spec.cluster.collective_timeout_s
+                if timeout_s is None:
+                    raise
+                raise tf.errors.DeadlineExceededError(  # the same class: still a (restartable) collective failure
+                    None, None, f"a collective did not complete within cluster.collective_timeout_s ({timeout_s:g} s): "
+                                f"a peer is stalled or unreachable") from None
 
     def epoch_totals(self) -> np.ndarray:
         return self.fns.global_sum(self.train_acc.total.read_value()).numpy()

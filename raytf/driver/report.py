@@ -64,6 +64,8 @@ def write_artifacts(output_dir: Path, artifacts: dict[str, bytes]) -> None:
 
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
+        if 0 < abs(value) < 1e-3:  # a decayed learning rate is not 0.0000
+            return f"{value:.2e}"
         return f"{value:.4f}" if abs(value) < 1000 else f"{value:,.0f}"
     return str(value)
 
