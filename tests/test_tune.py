@@ -57,6 +57,17 @@ def test_lr_scaling_rules():
 
 
 @pytest.mark.timeout(10)
+def test_lr_scaling_is_each_trials_own_scale_lr_and_not_both():
+    points, _ = points_of({"space": {"train.accumulation_steps": {"grid": [1, 4]}},
+                           "lr_scaling": {"rule": "linear", "base_batch_size": 64}})
+    assert [p.overrides["optimizer.scale_lr"] for p in points] == [{"rule": "linear", "base_batch_size": 64}] * 2
+    assert [p.learning_rate for p in points] == pytest.approx([0.01, 0.04])  # by the effective batch: 64, 256
+    with pytest.raises(SpecError, match="tune.lr_scaling and optimizer.scale_lr both scale"):
+        points_of({"space": {}, "lr_scaling": {"rule": "sqrt"}},
+                  optimizer={"name": "adam", "learning_rate": 0.01, "scale_lr": {"rule": "linear", "base_batch_size": 8}})
+
+
+@pytest.mark.timeout(10)
 def test_random_draws_are_seeded_and_those_that_cannot_run_are_rejected_not_kept():
     fields = {"num_samples": 6, "seed": 3,
               "space": {"cluster.workers": {"choice": [2, 3]}, "optimizer.learning_rate": {"loguniform": [1e-4, 1e-2]}}}
