@@ -615,9 +615,21 @@ def _module_not_found(key: str, module_name: str, job_dir: Path) -> SpecError:
 
 
 def _on_path(module_name: str, job_dir: Path) -> None:
+    """Make `module_name` import from its code root (the job folder, or the working directory). A module
+    of that name imported earlier from another folder (another job in this process, e.g. a notebook's
+    second job) is dropped first, or its functions would be checked in place of this job's."""
     root = code_root(module_name, job_dir)
-    if root is not None and str(root) not in sys.path:
-        sys.path.insert(0, str(root))
+    if root is None:
+        return
+    top = module_name.split(".")[0]
+    loaded = sys.modules.get(top)
+    where = getattr(loaded, "__file__", None)
+    if loaded is not None and (where is None or Path(where).resolve().parent not in (root.resolve(), (root / top).resolve())):
+        for name in [m for m in sys.modules if m == top or m.startswith(top + ".")]:
+            del sys.modules[name]
+    if str(root) in sys.path:
+        sys.path.remove(str(root))
+    sys.path.insert(0, str(root))
 
 
 def find_module(ref: str, job_dir: Path, key: str = "model") -> None:

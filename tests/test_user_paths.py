@@ -346,3 +346,21 @@ def test_a_custom_loop_with_batchnorm_ends_identical_on_every_worker(cluster, pr
     assert len(digests) == 1 and None not in digests
     assert result.history[-1]["loss"] < result.history[0]["loss"]
     assert_nothing_left()
+
+
+@pytest.mark.timeout(60)
+def test_two_jobs_in_one_process_each_get_their_own_module_of_the_same_name(tmp_path):
+    """A notebook runs one job, then another whose folder has its own `model.py`: each job's functions
+    are checked in its own module, not in the one the first job imported."""
+    from raytf.spec import load
+
+    for name, function in (("a", "build_a"), ("b", "build_b")):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "model.py").write_text(f"def {function}():\n    return None\n")
+        (folder / "job.yaml").write_text(yaml.safe_dump({
+            "name": name, "model": f"model:{function}", "dataset_fn": f"model:{function}",
+            "train": {"steps_per_epoch": 1}, "loss": "mse"}))
+    first = load(tmp_path / "a" / "job.yaml")
+    second = load(tmp_path / "b" / "job.yaml")  # before the fix: "'model' has no function 'build_b'"
+    assert first.job_dir.name == "a" and second.job_dir.name == "b"
