@@ -65,7 +65,8 @@ def run(job_file: str, address: str | None, settings: tuple[str, ...], quiet: bo
     final = result.final
     shown = "  ".join(f"{k} {v:.4f}" for k, v in final.items() if isinstance(v, float) and k != "seconds")
     click.echo(f"raytf: {result.name} {result.status}: {shown}")
-    click.echo(f"raytf: result {result.output_dir}/result.json, model {result.model_path}")
+    exported = ", ".join(f"{fmt} {path}" for fmt, path in result.exports.items()) or "no model"
+    click.echo(f"raytf: result {result.output_dir}/result.json; {exported}")
 
 
 @main.group()
@@ -122,7 +123,8 @@ def tune_command(sweep_file: str, address: str | None, settings: tuple[str, ...]
     click.echo(result.table)
     if result.best is not None:
         click.echo(f"raytf: best {result.best['point']}: {result.metric} {result.best['final']:.4g}; "
-                   f"job spec {result.best_spec_path}; model {result.best_model_path}")
+                   f"job spec {result.best_spec_path}; "
+                   + (", ".join(f"{fmt} {path}" for fmt, path in result.best_exports.items()) or "no model"))
     click.echo(f"raytf: sweep {result.sweep_json}, plot {result.plot_path}")
     if result.interrupted:
         click.echo("raytf: interrupted; re-run with --resume to continue the unfinished trials", err=True)

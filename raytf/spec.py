@@ -285,9 +285,30 @@ class CheckpointSpec(_Strict):
         return "epochs", self.every_epochs or 1
 
 
+class ProfileSpec(_Strict):
+    """A tf.profiler trace of optimizer steps first..last (1-based, inclusive) on the given ranks."""
+
+    steps: tuple[int, int]
+    ranks: list[int] = Field(default_factory=lambda: [0], min_length=1)
+
+    @model_validator(mode="after")
+    def _order(self) -> "ProfileSpec":
+        first, last = self.steps
+        if not 1 <= first <= last:
+            raise ValueError(f"steps [{first}, {last}]: give [first, last] optimizer steps, 1 <= first <= last, "
+                             f"e.g. steps: [10, 20]")
+        if any(r < 0 for r in self.ranks) or len(set(self.ranks)) != len(self.ranks):
+            raise ValueError(f"ranks {self.ranks}: distinct ranks >= 0, e.g. ranks: [0]")
+        return self
+
+
 class OutputSpec(_Strict):
     dir: str | None = None  # default: runs/<name>, next to the job file
     tensorboard: bool = True
+    # keras: model.keras; saved_model: a TensorFlow SavedModel for TF Serving, at saved_model/
+    export: list[Literal["keras", "saved_model"]] = Field(default_factory=lambda: ["keras"], min_length=1)
+    profile: ProfileSpec | None = None  # a tf.profiler trace, into tensorboard/ for TensorBoard's profile plugin
+    timing: bool = True  # each worker's input wait and step time, measured in its steps; stragglers named
 
 
 class JobSpec(_Strict):
@@ -347,6 +368,17 @@ class JobSpec(_Strict):
                 if given:
                     raise ValueError(f"{key} is for raytf's loop (model + data); a train_fn runs its own steps and "
                                      f"optimizer: remove {key}, or use ctx.global_batch_size in the train_fn")
+        if "saved_model" in self.output.export and self.data is None:
+            raise ValueError("output.export: saved_model names the signature's inputs after data.features; it needs "
+                             "data (Parquet), not dataset_fn; export keras only, or give data")
+        profile = self.output.profile
+        if profile is not None:
+            world = self.cluster.workers + (1 if self.strategy == "parameter_server" else 0)
+            if self.strategy == "parameter_server" and profile.ranks != [0]:
+                raise ValueError(f"output.profile.ranks {profile.ranks}: under parameter_server only the chief "
+                                 f"(rank 0) runs the loop and is traced; use ranks: [0]")
+            if max(profile.ranks) >= world:
+                raise ValueError(f"output.profile.ranks {profile.ranks}: the job has ranks 0..{world - 1}")
         warmup = self.optimizer.schedule.warmup
         if warmup is not None and warmup.epochs is not None and warmup.epochs >= self.train.epochs:
             raise ValueError(f"optimizer.schedule.warmup.epochs {warmup.epochs:g} is not shorter than train.epochs "

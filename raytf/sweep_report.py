@@ -35,6 +35,7 @@ class SweepResult:
     wall_s: float | None = None
     utilization: float | None = None  # busy CPU-seconds (trial time x reserved CPUs) / available CPU-seconds
     interrupted: bool = False  # trials left unfinished: `--resume` continues them
+    best_exports: dict[str, str] = dataclasses.field(default_factory=dict)  # the best trial's, format -> path
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

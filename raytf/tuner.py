@@ -361,6 +361,7 @@ def _collect(plan: Plan, experiment: Path, limit: int, started: float, wall: flo
             "cpus": sum(b.get("CPU", 0) for b in trial_bundles(job.spec)),
             "output_dir": str(job.output_dir),
             "model_path": saved.get("model_path"),
+            "exports": saved.get("exports", {}),
             "error": _error_line(trial) if trial.status == "ERROR" else None,
         })
     rows.sort(key=lambda r: r["point"])
@@ -389,6 +390,7 @@ def _collect(plan: Plan, experiment: Path, limit: int, started: float, wall: flo
     result = SweepResult(
         name=plan.base.spec.name, metric=section.metric, mode=section.mode, output_dir=str(out), rows=rows,
         best=best, best_spec_path=best_spec_path, best_model_path=best["model_path"] if best else None,
+        best_exports=best["exports"] if best else {},
         sweep_json=str(out / "sweep.json"), plot_path=str(plot_path) if plot_path else None, table=text_table,
         max_concurrent_trials=limit, rejected=plan.rejected, wall_s=round(wall, 3),
         utilization=None if utilization is None else round(utilization, 4),

@@ -3,6 +3,7 @@ placement group, real TF gRPC between them, Criteo-shaped Parquet data."""
 import textwrap
 
 import keras
+import numpy as np
 import pytest
 
 from raytf.driver.controller import run
@@ -11,6 +12,7 @@ from raytf.spec import load
 from raytf.synthetic import criteo_like
 from tests.conftest import assert_nothing_left, write_job
 from tests.faults import Killer
+from tests.serving import feed_of, saved_model_cli, serve_in_a_fresh_process
 
 # TF 2.21's ClusterCoordinator can segfault the chief while workers run their first steps:
 # EagerClusterFunctionLibraryRuntime::Run keeps a pointer into a std::vector that a concurrent Instantiate
@@ -85,8 +87,9 @@ def ps_spec(criteo_data, **changes):
     return spec
 
 
-def test_one_ps_two_workers_train_with_the_variables_on_the_ps(cluster, ps_dir, criteo_data):
-    result = run(load(write_job(ps_dir, ps_spec(criteo_data, output={"tensorboard": True}))))
+def test_one_ps_two_workers_train_with_the_variables_on_the_ps(cluster, ps_dir, criteo_data, tmp_path):
+    spec = ps_spec(criteo_data, output={"tensorboard": True, "export": ["keras", "saved_model"]})
+    result = run(load(write_job(ps_dir, spec)))
 
     assert result.status == "succeeded"
     assert [t["role"] for t in result.tasks] == ["chief", "ps", "worker", "worker"]
@@ -103,6 +106,15 @@ def test_one_ps_two_workers_train_with_the_variables_on_the_ps(cluster, ps_dir, 
     model = keras.models.load_model(result.model_path)  # a plain Keras model, with raytf.layers.Embedding
     assert model.get_layer("table").get_weights()[0].shape == (2048, 8)
     assert result.tensorboard_dir is not None
+    # The SavedModel holds plain variables (the sharded table joined) and serves the 7 columns by name,
+    # in a process with no raytf (whose Embedding layer model.keras needs).
+    feed = feed_of(str(criteo_data / "val"), spec["data"]["features"], "label", spec["data"]["fill_nulls"])
+    served, info = serve_in_a_fresh_process(result.exports["saved_model"], feed, tmp_path)
+    assert info == {"raytf_imported": False, "inputs": sorted(feed), "outputs": ["output"]}
+    expected = model.predict({k: (v.astype(str) if v.dtype.kind == "S" else v) for k, v in feed.items()}, verbose=0)
+    np.testing.assert_allclose(served, expected, rtol=1e-5, atol=1e-5)
+    shown = saved_model_cli(result.exports["saved_model"])
+    assert "inputs['C1']" in shown and "dtype: DT_STRING" in shown and "inputs['I1']" in shown
     assert_nothing_left()
 
 

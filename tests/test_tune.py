@@ -225,7 +225,7 @@ def sweep_file(job_dir, tune_fields, **sections):
 def test_a_2x2_grid_of_2_worker_trials_completes_and_reports_the_real_best(cluster, job_dir):
     path = sweep_file(job_dir, {"space": {"train.global_batch_size": {"grid": [48, 96]},
                                           "optimizer.learning_rate": {"grid": [0.002, 0.02]}}},
-                      train={"epochs": 2})
+                      train={"epochs": 2}, output={"export": ["keras", "saved_model"]})
     result = raytf.tune(path)
 
     assert result.max_concurrent_trials == 3  # 3 one-CPU nodes, trials of 2 x 0.5 CPU
@@ -252,6 +252,9 @@ def test_a_2x2_grid_of_2_worker_trials_completes_and_reports_the_real_best(clust
     assert "tune" not in yaml.safe_load(open(result.best_spec_path))
     assert result.best_model_path == str(job_dir / "runs" / "t" / "trials" / result.best["point"] / "model.keras")
     assert os.path.getsize(result.best_model_path) > 0
+    best_dir = job_dir / "runs" / "t" / "trials" / result.best["point"]  # exported as a plain run would be
+    assert result.best_exports == {"keras": str(best_dir / "model.keras"), "saved_model": str(best_dir / "saved_model")}
+    assert (best_dir / "saved_model" / "saved_model.pb").exists()
     saved = json.loads(open(result.sweep_json).read())
     assert len(saved["rows"]) == 4 and saved["best"]["point"] == result.best["point"]
     assert open(result.plot_path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"

@@ -56,6 +56,7 @@ class TaskContext:
         self.history: list[dict[str, Any]] = []
         self.global_step = 0
         self.saved_model = None
+        self.exports: dict[str, str] = {}  # format -> path in staging_dir, from save_model
         self.state_sync: Callable[[Any], None] | None = None  # set by the loop that owns the strategy
         self._payload = payload
         self._lock = threading.Lock()
@@ -127,4 +128,6 @@ class TaskContext:
             self.state_sync(model)
         self.saved_model = model
         if self.is_chief:
-            model.save(os.path.join(self.staging_dir, "model.keras"))
+            from raytf.actor import export
+
+            self.exports = export.write(model, self._payload, self.staging_dir)

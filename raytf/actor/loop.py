@@ -46,6 +46,7 @@ class Runner(Protocol):
     def checkpoint_extras(self, local_dir: str) -> dict[str, Any]: ...  # more files and metadata to save
     def check_restorable(self, meta: dict[str, Any], path: str) -> None: ...
     def final_checkpoint_needed(self) -> bool: ...
+    def timing(self) -> dict[str, dict[str, float]]: ...  # "worker-<i>" -> input wait, step time, steps so far
     def finish(self) -> dict[str, Any]: ...  # save the model; the outcome's strategy-specific part
 
 
@@ -66,6 +67,8 @@ def run(runner: Runner, payload: WorkerPayload, ctx: TaskContext) -> dict[str, A
     history = list(position.history)
     global_step = position.global_step
     every_kind, every = spec.checkpoint.interval
+    trace = StepTrace(spec.output.profile, ctx)
+    timing = TimingEvents(ctx) if spec.output.tensorboard else None
     for epoch in range(position.epoch, spec.train.epochs + 1):
         started = time.time()
         resuming = epoch == position.epoch and position.step_in_epoch > 0
@@ -75,9 +78,11 @@ def run(runner: Runner, payload: WorkerPayload, ctx: TaskContext) -> dict[str, A
             stop = runner.steps  # the next checkpoint, or the epoch's end
             if every_kind == "steps":
                 stop = min(runner.steps, step + every - global_step % every)
+            trace.before(global_step + 1)
             for loss in runner.train(stop - step, epoch):
                 step += 1
                 global_step += 1
+                trace.after(global_step)
                 if loss is not None:
                     ctx.step(epoch, step, runner.steps, global_step, loss, spec.train.effective_batch_size)
             if checkpoints.enabled and every_kind == "steps" and global_step % every == 0 and step < runner.steps:
@@ -92,13 +97,70 @@ def run(runner: Runner, payload: WorkerPayload, ctx: TaskContext) -> dict[str, A
             ctx.phase("validating")
             val = runner.eval_acc.results(runner.validate())
         steps_lib.end_epoch(ctx, writer, history, metrics, val, epoch, started, global_step)
+        if timing is not None:
+            timing.write(runner.timing(), epoch)
         last = epoch == spec.train.epochs
         if steps_lib.checkpoint_due(spec.checkpoint.interval, global_step, epoch) or (
                 last and runner.final_checkpoint_needed()):
             checkpoints.save(global_step, epoch + 1, 0, history)
+    trace.close()
     outcome = runner.finish()
-    outcome.update(history=history, steps=global_step, steps_run=global_step - position.global_step)
+    outcome.update(history=history, steps=global_step, steps_run=global_step - position.global_step,
+                   timing=runner.timing())
     return outcome
+
+
+class TimingEvents:
+    """Each worker's input wait and step time per epoch as TensorBoard scalars, in a run per worker
+    (tensorboard/timing/worker-<i>/), so TensorBoard draws the workers over each other. Written by the
+    task that measured them (under parameter servers, the chief, for every worker)."""
+
+    def __init__(self, ctx: TaskContext):
+        self.root = os.path.join(ctx.staging_dir, "tensorboard", "timing")
+        self.writers: dict[str, Any] = {}
+        self.last: dict[str, dict[str, float]] = {}
+
+    def write(self, timing: dict[str, dict[str, float]], epoch: int) -> None:
+        for worker, totals in timing.items():
+            if worker not in self.writers:
+                self.writers[worker] = tf.summary.create_file_writer(os.path.join(self.root, worker))
+            before = self.last.get(worker, {})
+            with self.writers[worker].as_default(step=epoch):
+                for key in ("input_wait_s", "step_s"):
+                    tf.summary.scalar(key, totals[key] - before.get(key, 0.0))
+            self.writers[worker].flush()
+            self.last[worker] = totals
+
+
+PROFILE_DIR = "tensorboard/profile"  # rank r's trace: tensorboard/profile/rank-r/plugins/profile/<run>/
+
+
+class StepTrace:
+    """output.profile: a tf.profiler trace of optimizer steps first..last on the asked ranks, into
+    tensorboard/profile/rank-<r>/ (a run of its own for TensorBoard's profile plugin, so ranks on one host
+    do not overwrite each other's <host>.xplane.pb). `before(n)` comes before step n runs, `after(n)` once
+    it is done (steps run in order; under parameter servers they are the chief's scheduled steps)."""
+
+    def __init__(self, profile, ctx: TaskContext):
+        self.steps = profile.steps if profile is not None and ctx.rank in profile.ranks else None
+        self.logdir = os.path.join(ctx.staging_dir, PROFILE_DIR, f"rank-{ctx.rank}")
+        self.active = False
+
+    def before(self, step: int) -> None:
+        if self.steps is not None and not self.active and self.steps[0] <= step <= self.steps[1]:
+            tf.profiler.experimental.start(self.logdir)
+            self.active = True
+
+    def after(self, step: int) -> None:
+        if self.active and step >= self.steps[1]:
+            self.close()
+        elif self.steps is not None and not self.active:
+            self.before(step + 1)
+
+    def close(self) -> None:
+        if self.active:
+            tf.profiler.experimental.stop()
+            self.active = False
 
 
 class Checkpoints:

@@ -17,7 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from raytf import data
-from raytf.actor import loop
+from raytf.actor import export, loop
 from raytf.actor import steps as steps_lib
 from raytf.actor.context import TaskContext, WorkerPayload
 
@@ -149,11 +149,14 @@ class MirroredRunner:
     def final_checkpoint_needed(self) -> bool:
         return False
 
+    def timing(self) -> dict[str, dict[str, float]]:
+        rows = self.plan.per_replica * self.plan.local_replicas * self.plan.micro_batches  # this worker's, per step
+        return {f"worker-{self.ctx.rank}": self.fns.timing.totals(rows)} if self.fns.timing else {}
+
     def finish(self) -> dict[str, Any]:
-        if self.ctx.is_chief:
-            self.model.save(os.path.join(self.ctx.staging_dir, "model.keras"))
+        exports = export.write(self.model, self.payload, self.ctx.staging_dir) if self.ctx.is_chief else {}
         return {"weights_digest": steps_lib.weights_digest(self.model), "replicas": self.replicas,
-                "optimizer_steps": int(self.optimizer.iterations.numpy())}
+                "optimizer_steps": int(self.optimizer.iterations.numpy()), "exports": exports}
 
 
 class _Plan:
@@ -221,4 +224,4 @@ def _run_user_loop(strategy, payload: WorkerPayload, ctx: TaskContext) -> dict[s
     payload.function("train_fn")(ctx)
     digest = steps_lib.weights_digest(ctx.saved_model) if ctx.saved_model is not None else None
     return {"history": ctx.history, "weights_digest": digest, "steps": ctx.global_step,
-            "steps_run": ctx.global_step, "replicas": ctx.num_replicas}
+            "steps_run": ctx.global_step, "replicas": ctx.num_replicas, "exports": ctx.exports}

@@ -33,7 +33,7 @@ from tensorflow.python.distribute.coordinator.cluster_coordinator import (
 from tensorflow.python.distribute.sharded_variable import ShardedVariable
 
 from raytf import data
-from raytf.actor import loop
+from raytf.actor import export, loop
 from raytf.actor import steps as steps_lib
 from raytf.actor.context import TaskContext, WorkerPayload
 from raytf.checkpoint import CheckpointInfo, Storage
@@ -41,6 +41,7 @@ from raytf.spec import JobSpec, PartitionerSpec
 
 CHIEF_DEVICE = "/job:chief/replica:0/task:0/device:CPU:0"
 WEIGHTS_FILE = "weights.npz"  # every checkpoint's full weights, for the evaluator
+WORKER_INDEX_FILE = f"{data.RECORDS_DIR}/worker-index"
 
 
 def partitioner(spec: JobSpec):
@@ -123,6 +124,8 @@ def prepare(task, payload: WorkerPayload, ctx: TaskContext) -> None:
         data.write_records(info, payload.train_root, shard, os.path.join(ctx.staging_dir, data.RECORDS_DIR, "train"))
     except ValueError as exc:
         raise ValueError(f"worker {task.index}: {exc}") from None
+    with open(os.path.join(ctx.staging_dir, WORKER_INDEX_FILE), "w") as f:
+        f.write(str(task.index))  # read by the worker's own pipeline: which worker ran a scheduled step
     os.chdir(ctx.staging_dir)
 
 
@@ -174,9 +177,14 @@ class ParameterServerRunner:
         info = payload.train_data
         first_epoch = payload.resume_from.epoch if payload.resume_from else 1
         seed = spec.train.seed + first_epoch  # a resumed run does not replay the same order
-        per_worker = coordinator.create_per_worker_dataset(
-            lambda: data.record_dataset(info, f"{data.RECORDS_DIR}/train", global_batch, spec.train.shuffle_buffer, seed,
-                                        micro_batches=spec.train.accumulation_steps))
+        def worker_dataset():
+            batches = data.record_dataset(info, f"{data.RECORDS_DIR}/train", global_batch, spec.train.shuffle_buffer,
+                                          seed, micro_batches=spec.train.accumulation_steps)
+            # Runs on each worker: its own index file, so every step says which worker ran it.
+            index = tf.strings.to_number(tf.io.read_file(WORKER_INDEX_FILE), tf.int32)
+            return tf.data.Dataset.zip((batches, tf.data.Dataset.from_tensors(index).repeat()))
+
+        per_worker = coordinator.create_per_worker_dataset(worker_dataset)
         self._iterator = iter(per_worker)
 
         sources = [t.value for t in targets]
@@ -186,6 +194,8 @@ class ParameterServerRunner:
         gradients = steps_lib.accumulate(gradients, sources, sum(train_acc.sizes), spec.train.accumulation_steps,
                                          take=lambda t, k: t[:, k])
 
+        timed = spec.output.timing
+
         @tf.function
         def train_step(iterator):
             def replica(x, y):
@@ -193,8 +203,14 @@ class ParameterServerRunner:
                 optimizer.apply_gradients(zip(grads, targets))  # unscales under loss scaling
                 return delta
 
-            x, y = next(iterator)
-            return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(replica, args=(x, y)), axis=None)
+            began = tf.timestamp()
+            with tf.control_dependencies([began] if timed else []):
+                (x, y), worker = next(iterator)
+            fed = steps_lib.StepTiming.fed((x, y)) if timed else began
+            delta = strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(replica, args=(x, y)), axis=None)
+            with tf.control_dependencies([delta, tf.identity(optimizer.iterations)] if timed else []):  # after the apply
+                done = tf.timestamp()
+            return delta, tf.stack([fed - began, done - fed]), worker
 
         @tf.function
         def eval_step(x, y, w):  # on the chief itself: exact, every validation row once
@@ -208,19 +224,29 @@ class ParameterServerRunner:
         self._in_flight = IN_FLIGHT_PER_WORKER * spec.cluster.workers
         self._totals = np.zeros(sum(train_acc.sizes), np.float64)
         self._unreported = 0  # steps whose metrics died with their worker
+        self._timing = np.zeros((spec.cluster.workers, 3))  # per worker: input wait s, step s, steps
 
     def start_epoch(self, epoch: int, totals: np.ndarray | None) -> None:
         self._totals = totals.copy() if totals is not None else np.zeros(sum(self.train_acc.sizes), np.float64)
         self._unreported = 0
 
     def train(self, count: int, epoch: int) -> Iterator[Any]:
-        for delta in _run_steps(self.coordinator, self._train_step, self._iterator, count, self._in_flight):
-            if delta is None:
+        for fetched in _run_steps(self.coordinator, self._train_step, self._iterator, count, self._in_flight):
+            if fetched is None:
                 self._unreported += 1
                 yield None
                 continue
+            delta, (wait, step), worker = fetched
             self._totals += delta
+            self._timing[int(worker)] += (wait, step, 1.0)
             yield delta[0] / max(delta[1], 1.0)
+
+    def timing(self) -> dict[str, dict[str, float]]:
+        """Each worker's input wait and step time, from the steps it ran (their fetched results)."""
+        if not self.payload.spec.output.timing:
+            return {}
+        rows = self.payload.spec.train.effective_batch_size  # a step runs on one worker
+        return {f"worker-{i}": steps_lib.timing_totals(sums, rows) for i, sums in enumerate(self._timing) if sums[2]}
 
     def epoch_totals(self) -> np.ndarray:
         self.coordinator.join()
@@ -260,8 +286,8 @@ class ParameterServerRunner:
         weights = self.model.get_weights()
         plain = self.payload.function("model")()  # outside the strategy: ordinary variables on the chief
         plain.set_weights(weights)
-        plain.save(os.path.join(self.ctx.staging_dir, "model.keras"))
-        return {"weights_digest": steps_lib.weights_digest(plain), "replicas": self.strategy.num_replicas_in_sync,
+        exports = export.write(plain, self.payload, self.ctx.staging_dir)
+        return {"exports": exports, "weights_digest": steps_lib.weights_digest(plain), "replicas": self.strategy.num_replicas_in_sync,
                 "variable_devices": variable_devices(self.model), "recovered_workers": self.recoveries.recovered}
 
 

@@ -147,12 +147,46 @@ class Accumulator:
         return out
 
 
+class StepTiming:
+    """Where one worker's step time goes, measured inside the step's graph (no host sync, a few
+    timestamps): input wait, from the step's start until its batch is there, and the rest of the step
+    (forward, backward, all-reduce, apply; a worker that waits in the all-reduce for a slow peer waits
+    here). Sums since the run started on this worker: [input wait s, step s, steps]."""
+
+    def __init__(self):
+        with tf.init_scope():
+            self.sums = tf.Variable(tf.zeros([3], tf.float64), trainable=False)
+
+    @staticmethod
+    def fed(batch) -> tf.Tensor:
+        """The time the batch is there (after every tensor of it)."""
+        with tf.control_dependencies(tf.nest.flatten(batch, expand_composites=True)):
+            return tf.timestamp()
+
+    def record(self, began: tf.Tensor, fed: tf.Tensor, done_after: list) -> None:
+        with tf.control_dependencies(done_after):
+            done = tf.timestamp()
+        self.sums.assign_add(tf.stack([fed - began, done - fed, tf.constant(1.0, tf.float64)]))
+
+    def totals(self, rows_per_step: int) -> dict[str, float]:
+        return timing_totals(self.sums.numpy(), rows_per_step)
+
+
+def timing_totals(sums, rows_per_step: int) -> dict[str, float]:
+    """[input wait s, step s, steps] as reported, with the worker's own examples/s over its timed steps."""
+    wait, step, count = (float(v) for v in sums)
+    busy = wait + step
+    return {"input_wait_s": round(wait, 4), "step_s": round(step, 4), "timed_steps": int(count),
+            "examples_per_s": round(count * rows_per_step / busy, 1) if busy > 0 else None}
+
+
 @dataclasses.dataclass
 class StepFunctions:
     train: Callable  # (iterator) -> local mean loss of this worker's replicas for the step
     evaluate: Callable  # (iterator) -> None
     global_sum: Callable  # (local vector) -> vector summed over all workers (a collective)
     sync_state: Callable  # () -> None: every replica's model state made the mean of all (a collective)
+    timing: StepTiming | None  # this worker's input wait and step time (output.timing)
 
 
 def synced_state(model: keras.Model) -> list:
@@ -311,12 +345,19 @@ def make_step_functions(strategy: tf.distribute.Strategy, model: keras.Model, op
         optimizer.apply_gradients(zip(grads, variables))  # unscales under loss scaling
         return delta
 
+    timing = StepTiming() if spec.output.timing else None
+
     @tf.function
     def train(iterator):
-        batch = next(iterator)  # (x, y) or (x, y, weight)
+        began = tf.timestamp()
+        with tf.control_dependencies([began] if timing else []):
+            batch = next(iterator)  # (x, y) or (x, y, weight)
+        fed = timing.fed(batch) if timing else None
         deltas = strategy.experimental_local_results(strategy.run(train_replica, args=batch))
         step = tf.add_n(list(deltas))
         train_acc.total.assign_add(step)
+        if timing:
+            timing.record(began, fed, [step, tf.identity(optimizer.iterations)])  # read after the apply
         return step[0] / tf.maximum(step[1], 1.0)
 
     def eval_replica(x, y, w):
@@ -337,7 +378,7 @@ def make_step_functions(strategy: tf.distribute.Strategy, model: keras.Model, op
         return strategy.reduce(tf.distribute.ReduceOp.SUM, share, axis=None)
 
     return StepFunctions(train=train, evaluate=evaluate, global_sum=global_sum,
-                         sync_state=make_state_sync(strategy, model))
+                         sync_state=make_state_sync(strategy, model), timing=timing)
 
 
 def weights_digest(model: keras.Model) -> str:

@@ -72,6 +72,7 @@ class TaskActor:
         from raytf.errors import PortTaken
 
         self._task = task
+        _name_this_actor(f"raytf:{payload.spec.name}:{task.role}-{task.index}")
         os.environ["TF_CONFIG"] = tf_config  # an evaluator's names the cluster it is not part of, as TF's do
         self._ctx = TaskContext(task.rank, world_size, payload.spec, self._staging, payload)
         self._tf_import.join()
@@ -104,8 +105,7 @@ class TaskActor:
         outcome = self._backend.train(self._started, self._task, payload, self._ctx)
         outcome.update(rank=self._ctx.rank, started_at=started, finished_at=time.time(),
                        first_step_at=self._ctx.first_step_at)
-        if self._ctx.is_chief:
-            outcome["artifacts"] = _collect(self._staging)
+        outcome["artifacts"] = _collect(self._staging)  # the chief's model and events; any rank's profile
         shutil.rmtree(self._staging, ignore_errors=True)
         return outcome
 
@@ -113,9 +113,27 @@ class TaskActor:
         return self._ctx.progress() if self._ctx else {"phase": "starting", "updated": time.time()}
 
 
+def _name_this_actor(name: str) -> None:
+    """Show the actor as its job, role and index (raytf:digits:worker-1) in `ray list actors --detail`
+    (repr_name), the dashboard and its log lines. Roles and ranks are known only after the rendezvous, so
+    the name is set then, the way Ray itself sets a custom __repr__ after an actor's __init__; best effort
+    (a private hook of Ray's: if it moves, training goes on unnamed)."""
+    import sys
+
+    from ray._private import ray_constants, worker
+
+    token = f"{ray_constants.LOG_PREFIX_ACTOR_NAME}{name}\n"
+    print(token, end="", flush=True)  # the log monitor takes the prefix of later lines from it
+    print(token, end="", file=sys.stderr, flush=True)
+    try:
+        worker.global_worker.core_worker.set_actor_repr_name(name)
+    except Exception:
+        pass
+
+
 def _collect(folder: str) -> dict[str, bytes]:
-    """Files the chief wrote (model, TensorBoard events), shipped back to the driver: the driver's
-    output.dir need not be on a file system this node can reach."""
+    """Files the task wrote (the chief: model, TensorBoard events; a profiled rank: its trace), shipped back
+    to the driver: the driver's output.dir need not be on a file system this node can reach."""
     out = {}
     for root, _, files in os.walk(folder):
         for name in files:

@@ -31,6 +31,7 @@ class Backend:
     actor_module: str = ""  # the actor's half: raytf.actor.<name>, imported inside the actor only
     supports_standby: bool = False  # warm processes can take a restarted task's place
     supports_elastic: bool = False  # a restart may go on with fewer workers
+    synchronous_steps: bool = False  # every step waits for every worker (an all-reduce)
     supervision: dict[str, RoleSupervision] = {}
 
     def roles(self, spec: "JobSpec") -> list[str]:

@@ -23,6 +23,7 @@ class Mirrored(Backend):
     actor_module = "raytf.actor.mirrored"
     supports_standby = True
     supports_elastic = True
+    synchronous_steps = True
     # A worker that dies leaves its peers hanging in a collective: any failure ends the attempt.
     supervision = {"worker": RoleSupervision(awaited=True, on_failure="fatal", watched=True)}
 

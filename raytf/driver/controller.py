@@ -31,7 +31,8 @@ from raytf.driver.policy import (
     peer_grace_s,
     stalled,
 )
-from raytf.driver.report import ProgressDisplay, Result, summary_table, write_artifacts
+from raytf.driver import stragglers
+from raytf.driver.report import ProgressDisplay, Result, summary_table, worker_lines, write_artifacts
 from raytf.errors import (
     PlacementTimeout,
     PortTaken,
@@ -425,7 +426,8 @@ class Controller:
         if self.decisions:  # when training was back on its feet after the last failure
             self.decisions[-1]["first_step_at"] = chief.get("first_step_at")
         self.epochs.feed(chief["history"])  # the epochs that ended after the last poll
-        write_artifacts(self.job.output_dir, chief.pop("artifacts", {}))
+        for outcome in a.outcomes.values():
+            write_artifacts(self.job.output_dir, outcome.pop("artifacts", {}))
         result.status = "succeeded"
         result.history = chief["history"]
         result.variable_devices = chief.get("variable_devices", {})
@@ -443,18 +445,31 @@ class Controller:
                              steps=a.outcomes.get(t.rank, {}).get("steps"),
                              optimizer_steps=a.outcomes.get(t.rank, {}).get("optimizer_steps"))
                         for t in a.tasks]
+        timing = {}  # "worker-<i>" -> its input wait and step time (each mirrored worker's own; the PS chief's)
+        for outcome in a.outcomes.values():
+            timing.update(outcome.get("timing") or {})
+        for task, entry in zip(a.tasks, result.tasks):
+            if task.role == "worker":
+                entry.update(timing.get(f"worker-{task.index}", {}))
+        train_s = None
         if chief.get("first_step_at"):
             result.time_to_first_step_s = round(chief["first_step_at"] - self.started, 3)
             train_s = chief["finished_at"] - chief["first_step_at"]
             steps_after_first = max(chief["steps_run"] - 1, 0)
             if train_s > 0 and steps_after_first:
                 result.examples_per_s = round(steps_after_first * spec.train.effective_batch_size / train_s, 1)
-        model_path = self.job.output_dir / "model.keras"
-        result.model_path = str(model_path) if model_path.exists() else None
+        synchronous = self.backend.synchronous_steps
+        result.stragglers = stragglers.find([e for e in result.tasks if "timed_steps" in e], train_s, synchronous)
+        result.exports = {fmt: str(self.job.output_dir / rel) for fmt, rel in chief.get("exports", {}).items()}
+        result.model_path = result.exports.get("keras")
         tb = self.job.output_dir / "tensorboard"
         result.tensorboard_dir = str(tb) if tb.exists() else None
         self._write()
         self.display.message(summary_table(result.history))
+        if any(t.get("timed_steps") for t in result.tasks):
+            self.display.message(worker_lines(result.tasks))
+        for slow in result.stragglers:
+            self.display.message("raytf: " + stragglers.describe(slow, synchronous))
         self.state = DONE
 
     # ---------------------------------------------------------------- helpers

@@ -20,7 +20,10 @@ class Result:
     tasks: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     examples_per_s: float | None = None
-    model_path: str | None = None
+    model_path: str | None = None  # model.keras (output.export: keras)
+    exports: dict[str, str] = dataclasses.field(default_factory=dict)  # format -> path, e.g. saved_model
+    # workers whose input wait (or, under parameter servers, step time) stands out, and what they cost
+    stragglers: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     tensorboard_dir: str | None = None
     wall_s: float | None = None
     time_to_first_step_s: float | None = None
@@ -68,6 +71,17 @@ def _fmt(value: Any) -> str:
             return f"{value:.2e}"
         return f"{value:.4f}" if abs(value) < 1000 else f"{value:,.0f}"
     return str(value)
+
+
+def worker_lines(tasks: list[dict[str, Any]]) -> str:
+    """One line per worker: where its time went in the steps it ran."""
+    lines = []
+    for t in tasks:
+        if t.get("timed_steps"):
+            rate = f", {t['examples_per_s']:,.0f} ex/s" if t.get("examples_per_s") else ""
+            lines.append(f"rank {t['rank']} ({t['role']} on {t['node_ip']}): {t['timed_steps']} steps, input wait "
+                         f"{t['input_wait_s']:.2f} s, step {t['step_s']:.2f} s{rate}")
+    return "\n".join(lines)
 
 
 def summary_table(history: list[dict[str, Any]]) -> str:

@@ -1,0 +1,77 @@
+"""What a job leaves for serving, written by the chief into its staging folder (shipped to output.dir):
+`model.keras`, and with output.export: [saved_model] a TensorFlow SavedModel for TF Serving whose
+`serving_default` signature takes the job's feature columns by name (dtypes and shapes from the Parquet
+schema) and returns `{"output": the model's output, float32}`.
+
+The SavedModel is written from a plain copy of the model, built outside any strategy with the trained
+weights: no MirroredVariables, no ps shards (a partitioned table is one variable again), and a subclassed
+model works as well as a functional one.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import keras
+import tensorflow as tf
+
+from raytf.actor import steps as steps_lib
+from raytf.data import Column
+
+SAVED_MODEL_DIR = "saved_model"
+KERAS_FILE = "model.keras"
+
+
+def write(model: keras.Model, payload, staging_dir: str, weights: list | None = None) -> dict[str, str]:
+    """Every format in output.export; returns {format: path relative to the staging folder}. `weights`:
+    the trained weights when `model` is not itself a plain model holding them."""
+    formats = payload.spec.output.export
+    out: dict[str, str] = {}
+    if "keras" in formats:
+        model.save(os.path.join(staging_dir, KERAS_FILE))
+        out["keras"] = KERAS_FILE
+    if "saved_model" in formats:
+        features = payload.train_data.features if payload.train_data is not None else None
+        if features is None:
+            raise ValueError("output.export: saved_model needs data (Parquet): the signature is named after "
+                             "its feature columns")
+        plain = plain_copy(payload.function("model"), weights if weights is not None else model.get_weights(),
+                           features)
+        saved_model(plain, features, os.path.join(staging_dir, SAVED_MODEL_DIR))
+        out["saved_model"] = SAVED_MODEL_DIR
+    return out
+
+
+def input_specs(features: tuple[Column, ...]) -> dict[str, tf.TensorSpec]:
+    """One TensorSpec per feature column, named after it: (None,) for a scalar, (None, dim) for a vector."""
+    return {c.name: tf.TensorSpec((None,) if c.dim is None else (None, c.dim),
+                                  tf.string if c.dtype == "string" else tf.as_dtype(c.dtype), name=c.name)
+            for c in features}
+
+
+def model_input(features: tuple[Column, ...], inputs: dict[str, tf.Tensor]):
+    """What the model takes: the one feature's tensor, or the dict by column name (as raytf's data feeds it)."""
+    return inputs[features[0].name] if len(features) == 1 else dict(inputs)
+
+
+def plain_copy(build: Callable[[], keras.Model], weights: list, features: tuple[Column, ...]) -> keras.Model:
+    """A fresh model with `weights`, outside any strategy; called once on one zero row first, so a
+    subclassed model has its variables."""
+    model = build()
+    zeros = {name: tf.zeros([1, *spec.shape[1:]], spec.dtype) for name, spec in input_specs(features).items()}
+    model(model_input(features, zeros), training=False)
+    model.set_weights(weights)
+    return model
+
+
+def saved_model(model: keras.Model, features: tuple[Column, ...], path: str) -> None:
+    module = tf.Module()
+    module.model = model  # tracked: its variables are saved
+
+    @tf.function(input_signature=[input_specs(features)])
+    def serve(inputs):
+        output = steps_lib.float32(model(model_input(features, inputs), training=False))
+        return output if isinstance(output, dict) else {"output": output}
+
+    module.serve = serve
+    tf.saved_model.save(module, path, signatures={"serving_default": serve})
