@@ -54,12 +54,16 @@ def model_input(features: tuple[Column, ...], inputs: dict[str, tf.Tensor]):
     return inputs[features[0].name] if len(features) == 1 else dict(inputs)
 
 
+def zero_row(features: tuple[Column, ...]) -> dict[str, tf.Tensor]:
+    """One row of zeros (empty strings) per feature column, by name."""
+    return {name: tf.zeros([1, *spec.shape[1:]], spec.dtype) for name, spec in input_specs(features).items()}
+
+
 def plain_copy(build: Callable[[], keras.Model], weights: list, features: tuple[Column, ...]) -> keras.Model:
     """A fresh model with `weights`, outside any strategy; called once on one zero row first, so a
     subclassed model has its variables."""
     model = build()
-    zeros = {name: tf.zeros([1, *spec.shape[1:]], spec.dtype) for name, spec in input_specs(features).items()}
-    model(model_input(features, zeros), training=False)
+    model(model_input(features, zero_row(features)), training=False)
     model.set_weights(weights)
     return model
 

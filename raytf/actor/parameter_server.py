@@ -208,7 +208,7 @@ class ParameterServerRunner:
                 (x, y), worker = next(iterator)
             fed = steps_lib.StepTiming.fed((x, y)) if timed else began
             delta = strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(replica, args=(x, y)), axis=None)
-            with tf.control_dependencies([delta, tf.identity(optimizer.iterations)] if timed else []):  # after the apply
+            with tf.control_dependencies([delta] if timed else []):  # the worker's forward and backward pass
                 done = tf.timestamp()
             return delta, tf.stack([fed - began, done - fed]), worker
 
@@ -225,6 +225,7 @@ class ParameterServerRunner:
         self._totals = np.zeros(sum(train_acc.sizes), np.float64)
         self._unreported = 0  # steps whose metrics died with their worker
         self._timing = np.zeros((spec.cluster.workers, 3))  # per worker: input wait s, step s, steps
+        self._timed_workers: set[int] = set()
 
     def start_epoch(self, epoch: int, totals: np.ndarray | None) -> None:
         self._totals = totals.copy() if totals is not None else np.zeros(sum(self.train_acc.sizes), np.float64)
@@ -238,7 +239,9 @@ class ParameterServerRunner:
                 continue
             delta, (wait, step), worker = fetched
             self._totals += delta
-            self._timing[int(worker)] += (wait, step, 1.0)
+            if int(worker) in self._timed_workers:  # a worker's first step is its pipeline starting up
+                self._timing[int(worker)] += (wait, step, 1.0)
+            self._timed_workers.add(int(worker))
             yield delta[0] / max(delta[1], 1.0)
 
     def timing(self) -> dict[str, dict[str, float]]:

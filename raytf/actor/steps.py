@@ -56,10 +56,25 @@ def build_model(payload, strategy: tf.distribute.Strategy, steps_per_epoch: int,
         model = payload.function("model")()
         if not isinstance(model, keras.Model):
             raise TypeError(f"model: {spec.model} returned {type(model).__name__}, not a keras.Model")
+        build_variables(model, payload)
         optimizer = build_optimizer(spec, steps_per_epoch)
         targets = trained(model)
         optimizer.build(targets)
     return model, optimizer, targets
+
+
+def build_variables(model: keras.Model, payload) -> None:
+    """A subclassed model has no variables until it is called: call it once on a zero row shaped like the
+    job's features, so the optimizer, the gradient step and checkpoints see them."""
+    if model.weights:
+        return
+    if payload.train_data is None:
+        raise ValueError(f"model: {payload.spec.model} returned a model with no weights yet (a subclassed model "
+                         f"is built by its first call); with dataset_fn raytf cannot know its inputs: call it once "
+                         f"on a batch in the model function, or start it with keras.Input")
+    from raytf.actor import export
+
+    model(export.model_input(payload.train_data.features, export.zero_row(payload.train_data.features)), training=False)
 
 
 def build_optimizer(spec: JobSpec, steps_per_epoch: int) -> keras.optimizers.Optimizer:
@@ -151,11 +166,13 @@ class StepTiming:
     """Where one worker's step time goes, measured inside the step's graph (no host sync, a few
     timestamps): input wait, from the step's start until its batch is there, and the rest of the step
     (forward, backward, all-reduce, apply; a worker that waits in the all-reduce for a slow peer waits
-    here). Sums since the run started on this worker: [input wait s, step s, steps]."""
+    here). Sums over this worker's steps but its first (whose input wait is the pipeline starting up):
+    [input wait s, step s, steps]."""
 
     def __init__(self):
         with tf.init_scope():
             self.sums = tf.Variable(tf.zeros([3], tf.float64), trainable=False)
+            self.started = tf.Variable(False, trainable=False)
 
     @staticmethod
     def fed(batch) -> tf.Tensor:
@@ -166,7 +183,9 @@ class StepTiming:
     def record(self, began: tf.Tensor, fed: tf.Tensor, done_after: list) -> None:
         with tf.control_dependencies(done_after):
             done = tf.timestamp()
-        self.sums.assign_add(tf.stack([fed - began, done - fed, tf.constant(1.0, tf.float64)]))
+        counted = tf.cast(self.started, tf.float64)
+        self.sums.assign_add(counted * tf.stack([fed - began, done - fed, tf.constant(1.0, tf.float64)]))
+        self.started.assign(True)
 
     def totals(self, rows_per_step: int) -> dict[str, float]:
         return timing_totals(self.sums.numpy(), rows_per_step)
@@ -356,8 +375,8 @@ def make_step_functions(strategy: tf.distribute.Strategy, model: keras.Model, op
         deltas = strategy.experimental_local_results(strategy.run(train_replica, args=batch))
         step = tf.add_n(list(deltas))
         train_acc.total.assign_add(step)
-        if timing:
-            timing.record(began, fed, [step, tf.identity(optimizer.iterations)])  # read after the apply
+        if timing:  # done once every variable is updated: after the all-reduce (waiting for peers included)
+            timing.record(began, fed, [step, *(tf.identity(v.value) for v in variables)])
         return step[0] / tf.maximum(step[1], 1.0)
 
     def eval_replica(x, y, w):

@@ -70,6 +70,10 @@ def create_actor(pg, index: int, bundle: dict[str, float], runtime_env: dict[str
     ).remote(index, port)
 
 
+def task_name(job: str, task: Task) -> str:
+    return f"raytf:{job}:{task.role}-{task.index}"
+
+
 def kill(actor) -> None:
     try:
         ray.kill(actor, no_restart=True)
@@ -135,7 +139,10 @@ class RayWorkerGroup:
         return actor.train.remote(payload)
 
     def train(self, payload: WorkerPayload) -> list[ray.ObjectRef]:
-        return [a.train.remote(payload) for a in self._by_rank]
+        """Each task's training call, named after its job, role and index (raytf:digits:worker-1) in
+        `ray list tasks` and the dashboard."""
+        return [a.train.options(name=task_name(payload.spec.name, t)).remote(payload)
+                for a, t in zip(self._by_rank, self.tasks)]
 
     def wait(self, handles: list[ray.ObjectRef], timeout_s: float) -> list[Finished]:
         """Returns as soon as one is done (with any others done by then), or after timeout_s with none."""

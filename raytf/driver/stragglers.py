@@ -15,6 +15,7 @@ from typing import Any
 
 STANDS_OUT = 1.5  # x the median of the other workers
 MIN_COST = 0.05  # and it must cost the job at least 5% of its training time (or throughput)
+MIN_EXCESS_S = 0.5  # and at least this many seconds in all: a few steps' jitter names nobody
 
 
 def find(workers: list[dict[str, Any]], train_s: float | None, synchronous: bool) -> list[dict[str, Any]]:
@@ -36,7 +37,8 @@ def find(workers: list[dict[str, Any]], train_s: float | None, synchronous: bool
             mine, typical = wait + step, typical_wait + typical_step
             what = "input_wait_s" if wait - typical_wait > step - typical_step else "step_s"
             cost = (1 - typical / mine) / len(timed) if mine > 0 else 0.0
-        if mine > STANDS_OUT * typical and cost >= MIN_COST:
+        excess_s = (mine - typical) * worker["timed_steps"]
+        if mine > STANDS_OUT * typical and cost >= MIN_COST and excess_s >= MIN_EXCESS_S:
             part_mine, part_typical = _per_step(worker, others, what)
             found.append({"rank": worker["rank"], "node": worker.get("node_ip"), "what": what,
                           "seconds": round(worker[what], 3), "typical_s": round(part_typical * worker["timed_steps"], 3),
