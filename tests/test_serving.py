@@ -78,7 +78,7 @@ def test_a_subclassed_model_exports_a_saved_model_that_serves_without_raytf(clus
     (job_dir / "subclassed.py").write_text(SUBCLASSED_MODEL)
     result = raytf.fit(write_job(job_dir, base_spec(
         model="subclassed:build_model", train={"epochs": 1},
-        output={"export": ["keras", "saved_model"], "profile": {"steps": [3, 5], "ranks": [1]}})))
+        output={"export": ["keras", "saved_model"], "profile": {"steps": [3, 5], "ranks": [1]}, "timing": True})))
     saved = result.exports["saved_model"]
     assert result.exports["keras"] == result.model_path and saved == str(job_dir / "runs" / "t" / "saved_model")
     assert json.loads((job_dir / "runs" / "t" / "result.json").read_text())["exports"] == result.exports
@@ -147,7 +147,7 @@ SLOW_INPUT = textwrap.dedent('''
 def test_a_rank_with_slow_input_is_named_with_its_cost_and_the_others_are_not(cluster, job_dir):
     (job_dir / "slow.py").write_text(SLOW_INPUT)
     spec = base_spec(dataset_fn="slow:dataset_fn", train={"epochs": 1, "global_batch_size": 16, "steps_per_epoch": 30},
-                     output={"tensorboard": False})
+                     output={"tensorboard": False, "timing": True})
     spec.pop("data")
     result = raytf.fit(write_job(job_dir, spec))
     workers = {t["rank"]: t for t in result.tasks}
