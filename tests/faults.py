@@ -3,6 +3,7 @@ has passed a given step, from a thread that watches progress closely; or a datas
 stalls, alive, without dying."""
 from __future__ import annotations
 
+import contextlib
 import textwrap
 import threading
 import time
@@ -51,13 +52,15 @@ class Killer:
             time.sleep(0.05)
 
 
-# A dataset_fn module: rank 1 stalls at its 30th row (once: the marker file says it did), alive but silent.
-STALLING_DATA = textwrap.dedent('''
+# A dataset_fn module whose rank 1 is slow: `delay_s` before every row, or stalled (alive, silent) at row
+# `stall_at`, once (the marker file, absolute so every node and attempt sees it, says it did). Its dataset
+# is endless and says so, so each worker's input is its own (no per-step "has data" all-reduce).
+RANK_ONE_DATA = textwrap.dedent('''
     import json, os, time
     import numpy as np
     import tensorflow as tf
 
-    MARKER = {marker!r}  # absolute: every node, every attempt sees the same file
+    MARKER, DELAY_S, STALL_AT = {marker!r}, {delay_s!r}, {stall_at!r}
 
     def dataset_fn(ctx):
         rank = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
@@ -67,11 +70,31 @@ STALLING_DATA = textwrap.dedent('''
 
         def gen():
             for i in range(10**9):
-                if rank == 1 and i == 30 and not os.path.exists(MARKER):
+                if rank == 1 and i == STALL_AT and not os.path.exists(MARKER):
                     open(MARKER, "w").write(str(time.time()))
                     time.sleep(3600)  # stalls without dying
+                if rank == 1 and DELAY_S:
+                    time.sleep(DELAY_S)
                 yield x[i % 64], y[i % 64]
 
         sig = (tf.TensorSpec((64,), tf.float32), tf.TensorSpec((), tf.int64))
-        return tf.data.Dataset.from_generator(gen, output_signature=sig).batch(ctx.get_per_replica_batch_size(16))
+        ds = tf.data.Dataset.from_generator(gen, output_signature=sig).batch(ctx.get_per_replica_batch_size(16))
+        return ds.apply(tf.data.experimental.assert_cardinality(tf.data.INFINITE_CARDINALITY))
 ''')
+
+
+def rank_one_data(marker: str = "", delay_s: float = 0.0, stall_at: int | None = None) -> str:
+    return RANK_ONE_DATA.format(marker=marker, delay_s=delay_s, stall_at=stall_at)
+
+
+@contextlib.contextmanager
+def an_extra_node(cluster):
+    """A 1-CPU node added to the test cluster for the test, and a `kill` for Killer that removes it."""
+    c, _ = cluster
+    extra = c.add_node(num_cpus=1)
+    c.wait_for_nodes()
+    try:
+        yield extra, lambda actor: c.remove_node(extra)
+    finally:
+        if extra in c.worker_nodes:
+            c.remove_node(extra)

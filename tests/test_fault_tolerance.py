@@ -13,7 +13,7 @@ from raytf.driver.controller import run
 from raytf.errors import SpecError, TrainingFailed
 from raytf.spec import load
 from tests.conftest import assert_nothing_left, base_spec, write_job
-from tests.faults import STALLING_DATA, Killer
+from tests.faults import Killer, an_extra_node, rank_one_data
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -63,7 +63,7 @@ def test_a_killed_worker_costs_one_restart_and_the_run_ends_where_it_would_have(
 
 
 def test_a_stalled_worker_is_detected_within_the_hang_timeout_and_restarted(cluster, job_dir):
-    (job_dir / "stall.py").write_text(STALLING_DATA.replace("{marker!r}", repr(str(job_dir / "stalled-once"))))
+    (job_dir / "stall.py").write_text(rank_one_data(marker=str(job_dir / "stalled-once"), stall_at=30))
     spec = ft_spec(job_dir, dataset_fn="stall:dataset_fn", failure={"max_restarts": 1, "hang_timeout_s": 10})
     spec.pop("data")
     spec["train"] = {"epochs": 2, "global_batch_size": 16, "steps_per_epoch": 40}
@@ -139,22 +139,19 @@ def test_an_unwritable_checkpoint_dir_is_a_spec_error_before_training(job_dir):
 
 
 def test_a_lost_node_restarts_with_fewer_workers_under_failure_elastic(cluster, job_dir):
-    c, _ = cluster
-    extra = c.add_node(num_cpus=1)  # 4 CPUs in all: one worker per node
-    c.wait_for_nodes()
-    killer = Killer(rank=0, at_step=30, attempts={1}, kill=lambda actor: c.remove_node(extra))
     spec = ft_spec(job_dir, train={"epochs": 2, "global_batch_size": 24, "seed": 7},
                    cluster={"workers": 4, "cpus_per_worker": 1, "reserve_timeout_s": 5},
                    checkpoint={"dir": str(job_dir / "ckpt"), "every_steps": 20},
                    failure={"max_restarts": 1, "hang_timeout_s": 60, "elastic": {"min_workers": 2}})
-    try:
+    with an_extra_node(cluster) as (extra, remove_it):  # 4 CPUs in all: one worker per CPU
+        killer = Killer(rank=0, at_step=30, attempts={1}, kill=remove_it)
         result = run(load(write_job(job_dir, spec)), group_cls=killer.group_cls)
-    finally:
-        if extra in c.worker_nodes:
-            c.remove_node(extra)
     assert killer.killed_at, "the node was never removed"
     assert len(result.restarts) == 1 and result.restarts[0]["kind"] == "actor_died"
     assert result.workers == 3 and result.restarts[0]["workers"] == 3  # 4 no longer fit; 3 divide 24
+    # 4/3 accumulation steps do not divide: the global batch is kept, 8 rows per replica instead of 6
+    assert result.batch == {"global_batch_size": 24, "accumulation_steps": 1, "per_replica_batch_size": 8,
+                            "kept": "global_batch"}
     assert result.restarts[0]["resumed_from_step"] in (20, 40)
     assert len(result.tasks) == 3 and extra.node_id not in {t["node_id"] for t in result.tasks}
     assert [t["steps"] for t in result.tasks] == [2 * (1437 // 24)] * 3

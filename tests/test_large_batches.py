@@ -22,7 +22,7 @@ from raytf.driver.controller import run
 from raytf.errors import SpecError, TrainingFailed
 from raytf.spec import load, parse
 from tests.conftest import assert_nothing_left, base_spec, write_job
-from tests.faults import STALLING_DATA, Killer
+from tests.faults import Killer, an_extra_node, rank_one_data
 
 TRAIN_ROWS = 1437
 
@@ -277,20 +277,14 @@ def test_an_elastic_restart_keeps_the_effective_batch_by_raising_accumulation(cl
     32/3 rows, so raytf goes on with 2 workers x 8 rows x 2 accumulation steps: same effective batch,
     same steps per epoch, same per-replica memory."""
     (job_dir / "stateful.py").write_text(STATEFUL_MODEL)
-    c, _ = cluster
-    extra = c.add_node(num_cpus=1)  # 4 CPUs in all: one worker per CPU
-    c.wait_for_nodes()
-    killer = Killer(rank=0, at_step=25, attempts={1}, kill=lambda actor: c.remove_node(extra))
     spec = base_spec(model="stateful:build_model", train={"epochs": 2, "global_batch_size": 32, "seed": 7},
                      cluster={"workers": 4, "cpus_per_worker": 1, "reserve_timeout_s": 5},
                      checkpoint={"dir": str(job_dir / "ckpt"), "every_steps": 20},
                      failure={"max_restarts": 1, "hang_timeout_s": 60, "elastic": {"min_workers": 2}},
                      output={"tensorboard": False})
-    try:
+    with an_extra_node(cluster) as (extra, remove_it):  # 4 CPUs in all: one worker per CPU
+        killer = Killer(rank=0, at_step=25, attempts={1}, kill=remove_it)
         result = run(load(write_job(job_dir, spec)), group_cls=killer.group_cls)
-    finally:
-        if extra in c.worker_nodes:
-            c.remove_node(extra)
     assert killer.killed_at, "the node was never removed"
     restart = result.restarts[0]
     assert result.workers == 2 and restart["workers"] == 2
@@ -324,7 +318,7 @@ def test_a_stalled_peer_fails_the_collective_after_collective_timeout_s(cluster,
     """Rank 1's input stalls (alive, heartbeats flowing, so TensorFlow's coordination service sees
     nothing wrong) while rank 0 waits in the step's all-reduce. With cluster.collective_timeout_s that
     all-reduce fails after 10 s, long before the hang watchdog (failure.hang_timeout_s 120)."""
-    (job_dir / "stall.py").write_text(STALLING_DATA.replace("{marker!r}", repr(str(job_dir / "stalled-once"))))
+    (job_dir / "stall.py").write_text(rank_one_data(marker=str(job_dir / "stalled-once"), stall_at=30))
     spec = base_spec(dataset_fn="stall:dataset_fn", train={"epochs": 2, "global_batch_size": 16, "steps_per_epoch": 40},
                      cluster={"workers": 2, "cpus_per_worker": 0.5, "collective_timeout_s": 10},
                      failure={"hang_timeout_s": 120, "max_restarts": 0}, output={"tensorboard": False})

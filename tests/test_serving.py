@@ -15,6 +15,7 @@ from raytf.driver import stragglers
 from raytf.errors import SpecError
 from raytf.spec import parse
 from tests.conftest import DIGITS, assert_nothing_left, base_spec, write_job
+from tests.faults import rank_one_data
 from tests.serving import saved_model_cli, serve_in_a_fresh_process
 
 SUBCLASSED_MODEL = textwrap.dedent('''
@@ -117,35 +118,13 @@ def test_a_subclassed_model_exports_a_saved_model_that_serves_without_raytf(clus
     assert_nothing_left()
 
 
-SLOW_INPUT = textwrap.dedent('''
-    import json, os, time
-    import numpy as np
-    import tensorflow as tf
 
-    DELAY_S = 0.006  # per row, on rank 1 only: ~50 ms a batch
-
-    def dataset_fn(ctx):
-        rank = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
-        rng = np.random.default_rng(rank)
-        x = rng.normal(size=(64, 64)).astype("float32")
-        y = rng.integers(0, 10, size=64)
-
-        def rows():
-            for i in range(10**9):
-                if rank == 1:
-                    time.sleep(DELAY_S)
-                yield x[i % 64], y[i % 64]
-
-        sig = (tf.TensorSpec((64,), tf.float32), tf.TensorSpec((), tf.int64))
-        ds = tf.data.Dataset.from_generator(rows, output_signature=sig).batch(ctx.get_per_replica_batch_size(16))
-        return ds.apply(tf.data.experimental.assert_cardinality(tf.data.INFINITE_CARDINALITY))  # endless, said so
-''')
 
 
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
 def test_a_rank_with_slow_input_is_named_with_its_cost_and_the_others_are_not(cluster, job_dir):
-    (job_dir / "slow.py").write_text(SLOW_INPUT)
+    (job_dir / "slow.py").write_text(rank_one_data(delay_s=0.006))  # ~50 ms a batch, on rank 1 only
     spec = base_spec(dataset_fn="slow:dataset_fn", train={"epochs": 1, "global_batch_size": 16, "steps_per_epoch": 30},
                      output={"tensorboard": False, "timing": True})
     spec.pop("data")
