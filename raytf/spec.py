@@ -179,6 +179,12 @@ class TrainSpec(_Strict):
     def effective_batch_size(self) -> int:
         return self.global_batch_size * self.accumulation_steps
 
+    def describe_batch(self) -> str:
+        """The effective batch as messages name it: "512 x 4 accumulation steps", or "64"."""
+        if self.accumulation_steps > 1:
+            return f"{self.global_batch_size} x {self.accumulation_steps} accumulation steps"
+        return str(self.global_batch_size)
+
 
 class ClusterSpec(_Strict):
     workers: int = Field(default=2, ge=1)
@@ -580,9 +586,8 @@ def load(source: "str | Path | Mapping[str, Any] | JobSpec | Job",
                             f"workers would have nothing to read; use at most {rows} workers")
         batch = spec.train.effective_batch_size
         if spec.train.steps_per_epoch is None and rows < batch and spec.data.remainder == "drop":
-            what = f"{spec.train.global_batch_size} x {spec.train.accumulation_steps} accumulation steps" \
-                if spec.train.accumulation_steps > 1 else f"{batch}"
-            raise SpecError(f"{name}: data.train has {rows} rows, fewer than one global batch of {what}; lower "
+            raise SpecError(f"{name}: data.train has {rows} rows, fewer than one global batch of "
+                            f"{spec.train.describe_batch()}; lower "
                             f"train.global_batch_size (or use data.remainder: pad)")
         if spec.train.steps_per_epoch is None and rows >= batch:
             from raytf import learning_rate

@@ -22,9 +22,10 @@ SAVED_MODEL_DIR = "saved_model"
 KERAS_FILE = "model.keras"
 
 
-def write(model: keras.Model, payload, staging_dir: str, weights: list | None = None) -> dict[str, str]:
-    """Every format in output.export; returns {format: path relative to the staging folder}. `weights`:
-    the trained weights when `model` is not itself a plain model holding them."""
+def write(model: keras.Model, payload, staging_dir: str, plain: bool = False) -> dict[str, str]:
+    """Every format in output.export; returns {format: path relative to the staging folder}. `plain`:
+    `model` is already built outside any strategy (the parameter-server chief's copy), so the SavedModel
+    is written from it instead of from a new copy."""
     formats = payload.spec.output.export
     out: dict[str, str] = {}
     if "keras" in formats:
@@ -35,9 +36,8 @@ def write(model: keras.Model, payload, staging_dir: str, weights: list | None = 
         if features is None:
             raise ValueError("output.export: saved_model needs data (Parquet): the signature is named after "
                              "its feature columns")
-        plain = plain_copy(payload.function("model"), weights if weights is not None else model.get_weights(),
-                           features)
-        saved_model(plain, features, os.path.join(staging_dir, SAVED_MODEL_DIR))
+        servable = model if plain else plain_copy(payload.function("model"), model.get_weights(), features)
+        saved_model(servable, features, os.path.join(staging_dir, SAVED_MODEL_DIR))
         out["saved_model"] = SAVED_MODEL_DIR
     return out
 

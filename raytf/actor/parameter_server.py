@@ -286,10 +286,10 @@ class ParameterServerRunner:
         return self.payload.spec.cluster.evaluator  # the evaluator must see the final weights
 
     def finish(self) -> dict[str, Any]:
-        weights = self.model.get_weights()
-        plain = self.payload.function("model")()  # outside the strategy: ordinary variables on the chief
-        plain.set_weights(weights)
-        exports = export.write(plain, self.payload, self.ctx.staging_dir)
+        # outside the strategy: ordinary variables on the chief (a subclassed model built first)
+        plain = export.plain_copy(self.payload.function("model"), self.model.get_weights(),
+                                  self.payload.train_data.features)
+        exports = export.write(plain, self.payload, self.ctx.staging_dir, plain=True)
         return {"exports": exports, "weights_digest": steps_lib.weights_digest(plain), "replicas": self.strategy.num_replicas_in_sync,
                 "variable_devices": variable_devices(self.model), "recovered_workers": self.recoveries.recovered}
 

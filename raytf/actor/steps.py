@@ -260,9 +260,7 @@ def steps_per_epoch(spec: JobSpec, rows: int, padded: int | None = None, hint: s
     batch = spec.train.effective_batch_size
     steps = padded if padded is not None else rows // batch
     if steps == 0:
-        what = f"{spec.train.global_batch_size} x {spec.train.accumulation_steps} accumulation steps" \
-            if spec.train.accumulation_steps > 1 else f"{batch}"
-        raise ValueError(f"data.train has {rows} rows, fewer than one global batch of {what}; lower "
+        raise ValueError(f"data.train has {rows} rows, fewer than one global batch of {spec.train.describe_batch()}; lower "
                          f"train.global_batch_size{hint}")
     return steps
 
