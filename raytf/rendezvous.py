@@ -37,15 +37,14 @@ class Task:
         return f"{host}:{self.port}"
 
 
-def _gpu_sort_key(gpu_ids: tuple[str, ...]) -> tuple:
-    # Numeric ids sort as numbers ("10" after "9"); anything else (UUIDs) sorts after, as text.
-    return tuple((0, int(g), "") if str(g).isdigit() else (1, 0, str(g)) for g in gpu_ids)
-
-
 def assign_ranks(reports: list[ActorReport]) -> list[Task]:
     """Deterministic ranks: actors on one node get adjacent ranks; nodes are ordered by their lowest
-    bundle index (so the chief's node comes first), actors within a node by GPU id, then bundle index.
-    Rank 0 is the chief. The result is ordered by rank."""
+    bundle index (so the chief's node comes first), actors within a node by bundle index. Rank 0 is the
+    chief. The result is ordered by rank.
+
+    Only the placement decides (which node holds which bundle), not what an actor finds once it runs (its
+    GPU ids): so ranks, and the names actors are created with, are known before any actor exists. Each
+    actor sees only its own GPUs, so their ids do not need to follow the ranks."""
     if not reports:
         raise ValueError("no actors to rank")
     bundles = [r.bundle_index for r in reports]
@@ -54,10 +53,16 @@ def assign_ranks(reports: list[ActorReport]) -> list[Task]:
     first_bundle_on_node: dict[str, int] = {}
     for r in reports:
         first_bundle_on_node[r.node_id] = min(first_bundle_on_node.get(r.node_id, r.bundle_index), r.bundle_index)
-    ordered = sorted(reports, key=lambda r: (first_bundle_on_node[r.node_id], _gpu_sort_key(r.gpu_ids), r.bundle_index))
+    ordered = sorted(reports, key=lambda r: (first_bundle_on_node[r.node_id], r.bundle_index))
     return [Task(rank=i, role="worker", index=i, bundle_index=r.bundle_index, node_id=r.node_id,
                  node_ip=r.node_ip, port=r.port, gpu_ids=tuple(r.gpu_ids),
                  cuda_visible_devices=r.cuda_visible_devices) for i, r in enumerate(ordered)]
+
+
+def placed(bundle_nodes: dict[int, str]) -> list[ActorReport]:
+    """Stand-ins for the reports of actors not yet created, from the placement alone (bundle index ->
+    node id): enough to assign ranks and roles, and so to name the actors at creation."""
+    return [ActorReport(bundle_index=i, node_id=node, node_ip="", port=0) for i, node in sorted(bundle_nodes.items())]
 
 
 def assign_roles(reports: list[ActorReport], roles: list[str]) -> list[Task]:
@@ -80,6 +85,12 @@ def assign_roles(reports: list[ActorReport], roles: list[str]) -> list[Task]:
                           node_ip=r.node_ip, port=r.port, gpu_ids=tuple(r.gpu_ids),
                           cuda_visible_devices=r.cuda_visible_devices))
     return tasks
+
+
+def task_name(job: str, task: Task) -> str:
+    """How a task shows in Ray (`ray list actors`, `ray list tasks`, the dashboard, log lines):
+    raytf:<job>:<role>-<index>, e.g. raytf:digits:worker-1."""
+    return f"raytf:{job}:{task.role}-{task.index}"
 
 
 def cluster_spec(tasks: list[Task]) -> dict[str, list[str]]:

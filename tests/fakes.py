@@ -78,8 +78,10 @@ class _Handle:
 
 
 class FakeGroup:
-    def __init__(self, world: "FakeResources", bundles: list[dict[str, float]]):
+    def __init__(self, world: "FakeResources", bundles: list[dict[str, float]], names=None):
         self.world, self.bundles, self.clock = world, bundles, world.clock
+        self.plan_names = names
+        self.names: dict[int, str] = {}  # bundle index -> the name its actor was created with
         self.attempt = len(world.groups) + 1
         self.tasks = []
         self.handles: list[_Handle] = []
@@ -87,6 +89,8 @@ class FakeGroup:
         self.stopped = False
 
     def start(self, timeout_s: float) -> list[ActorReport]:
+        if self.plan_names is not None:
+            self.names = self.plan_names({i: f"node-{i % 2}" for i in range(len(self.bundles))})
         return [ActorReport(bundle_index=i, node_id=f"node-{i % 2}", node_ip=f"10.0.0.{i % 2 + 1}", port=4000 + i)
                 for i in range(len(self.bundles))]
 
@@ -182,12 +186,12 @@ class FakeResources:
     def release(self, pg) -> None:
         self.released.append(pg)
 
-    def new_group(self, pg, bundles, env, standby) -> FakeGroup:
-        group = FakeGroup(self, bundles)
+    def new_group(self, pg, bundles, env, standby, names=None) -> FakeGroup:
+        group = FakeGroup(self, bundles, names)
         self.groups.append(group)
         return group
 
-    def fill_standby(self, pg, env, tasks) -> None:
+    def fill_standby(self, pg, env, tasks, job="") -> None:
         pass
 
     def take_standby(self, pg, count: int) -> dict:

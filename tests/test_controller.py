@@ -54,6 +54,9 @@ def test_a_clean_job_steps_through_its_states_to_done(tmp_path):
     assert c.result.status == "succeeded" and [t["rank"] for t in c.result.tasks] == [0, 1]
     assert c.result.restarts == [] and world.groups[0].stopped
     assert (tmp_path / "out" / "result.json").is_file()
+    # actors are named at creation, from the placement alone; the names are the ranks they then got
+    group = world.groups[0]
+    assert [group.names[t.bundle_index] for t in group.tasks] == ["raytf:t:worker-0", "raytf:t:worker-1"]
     c.run()  # nothing left to do; the placement group is let go
     assert world.released == ["pg-1"]
 
@@ -213,6 +216,9 @@ def test_a_parameter_server_worker_is_replaced_and_taken_back(tmp_path):
     result = run_fast(c)
     assert result.status == "succeeded" and result.restarts == []
     assert world.replaced == [3]  # rank 3 = worker 1 (chief, ps, worker 0, worker 1)
+    group = world.groups[0]
+    assert [group.names[t.bundle_index] for t in group.tasks] == [
+        "raytf:t:chief-0", "raytf:t:ps-0", "raytf:t:worker-0", "raytf:t:worker-1"]
     assert len(result.worker_losses) == 1
     loss = result.worker_losses[0]
     assert loss["worker"] == 1 and loss["replaced"] is True and loss["rejoined"] is True

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from raytf.rendezvous import ActorReport, assign_ranks, assign_roles, cluster_spec, tf_config
+from raytf.rendezvous import ActorReport, assign_ranks, assign_roles, cluster_spec, placed, tf_config
 
 
 def report(bundle, node, port=1000, gpus=(), ip=None):
@@ -24,12 +24,21 @@ def test_ranks_do_not_depend_on_the_order_reports_arrive(order):
     reports = [report(0, "a", gpus=["1"]), report(1, "b", gpus=["0"]), report(2, "a", gpus=["0"]),
                report(3, "b", gpus=["1"])]
     tasks = assign_ranks([reports[i] for i in order])
-    assert [(t.node_id, t.gpu_ids) for t in tasks] == [("a", ("0",)), ("a", ("1",)), ("b", ("0",)), ("b", ("1",))]
+    assert [(t.node_id, t.bundle_index, t.gpu_ids) for t in tasks] == [
+        ("a", 0, ("1",)), ("a", 2, ("0",)), ("b", 1, ("0",)), ("b", 3, ("1",))]
 
 
-def test_gpu_ids_sort_as_numbers():
-    tasks = assign_ranks([report(0, "a", gpus=["10"]), report(1, "a", gpus=["9"])])
-    assert [t.gpu_ids for t in tasks] == [("9",), ("10",)]
+def test_ranks_planned_from_the_placement_alone_are_the_ranks_the_actors_get():
+    """Actors are named at creation, before they report: the plan from bundle -> node must agree with the
+    ranks assigned once they report (GPU ids, addresses and ports included)."""
+    nodes = {0: "a", 1: "b", 2: "a", 3: "c", 4: "b"}
+    reports = [report(b, n, gpus=[str(4 - b)]) for b, n in nodes.items()]
+    planned = assign_ranks(placed(nodes))
+    real = assign_ranks(list(reversed(reports)))
+    assert [(t.rank, t.bundle_index) for t in planned] == [(t.rank, t.bundle_index) for t in real]
+    roles = ["chief", "ps", "worker", "worker", "evaluator"]
+    assert [(t.role, t.index) for t in assign_roles(placed(nodes), roles)] == [
+        (t.role, t.index) for t in assign_roles(reports, roles)]
 
 
 def test_duplicate_bundles_are_rejected():

@@ -143,28 +143,31 @@ def test_a_rank_with_slow_input_is_named_with_its_cost_and_the_others_are_not(cl
 
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
-def test_tasks_show_as_their_job_role_and_index(cluster, job_dir):
-    """The training task of each actor is named raytf:<job>:<role>-<index> (`ray list tasks`, the dashboard),
-    and so are the actor's log lines; `ray list actors` keeps Ray's creation-time name (ranks come later)."""
-    from ray.util.state import list_tasks
+def test_actors_and_tasks_show_as_their_job_role_and_index(cluster, job_dir):
+    """Each actor is created named raytf:<job>:<role>-<index> (`ray list actors`, the dashboard), on the node of
+    the rank it then plays, and its training task carries the same name (`ray list tasks`)."""
+    from ray.util.state import list_actors, list_tasks
 
     from raytf.driver.controller import run
     from raytf.driver.ray_group import RayWorkerGroup
     from raytf.spec import load
 
-    seen = []
+    tasks, actors = [], {}
 
     class Looking(RayWorkerGroup):
         def train(self, payload):  # every task is set up (and named) by now
             refs = super().train(payload)
+            actors.update({a.name: a.node_id for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10000)
+                           if (a.name or "").startswith("raytf:named:")})
             deadline = time.time() + 20
-            while time.time() < deadline and len(seen) < 2:
-                seen[:] = sorted({t.name for t in list_tasks(filters=[("state", "=", "RUNNING")], limit=10000)
-                                  if t.name.startswith("raytf:named:")})
+            while time.time() < deadline and len(tasks) < 2:
+                tasks[:] = sorted({t.name for t in list_tasks(filters=[("state", "=", "RUNNING")], limit=10000)
+                                   if t.name.startswith("raytf:named:")})
                 time.sleep(0.5)
             return refs
 
-    run(load(write_job(job_dir, base_spec(name="named", train={"epochs": 1}, output={"tensorboard": False}))),
-        group_cls=Looking)
-    assert seen == ["raytf:named:worker-0", "raytf:named:worker-1"]
+    result = run(load(write_job(job_dir, base_spec(name="named", train={"epochs": 1}, output={"tensorboard": False}))),
+                 group_cls=Looking)
+    assert tasks == ["raytf:named:worker-0", "raytf:named:worker-1"]
+    assert actors == {f"raytf:named:worker-{t['rank']}": t["node_id"] for t in result.tasks}, (actors, result.tasks)
     assert_nothing_left()

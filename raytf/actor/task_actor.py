@@ -114,10 +114,9 @@ class TaskActor:
 
 
 def _name_this_actor(name: str) -> None:
-    """Show the actor as its job, role and index (raytf:digits:worker-1) in `ray list actors --detail`
-    (repr_name), the dashboard and its log lines. Roles and ranks are known only after the rendezvous, so
-    the name is set then, the way Ray itself sets a custom __repr__ after an actor's __init__; best effort
-    (a private hook of Ray's: if it moves, training goes on unnamed)."""
+    """Prefix the actor's log lines with its name (raytf:digits:worker-1), as Ray does for the name an actor
+    is created with; best effort (a private hook of Ray's: if it moves, the lines go on unprefixed). The
+    actor itself is created under this name (raytf.driver.ray_group), planned from the placement."""
     import sys
 
     from ray._private import ray_constants, worker

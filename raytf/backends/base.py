@@ -55,6 +55,13 @@ class Backend:
         """Whether the global batch divides over what one step runs on; checked last."""
         raise NotImplementedError
 
+    def actor_names(self, spec: "JobSpec", bundle_nodes: dict[int, str]) -> dict[int, str]:
+        """bundle index -> the name its actor is created with (raytf:<job>:<role>-<index>), planned from the
+        placement alone (bundle index -> node id): ranks and roles do not depend on what actors report."""
+        from raytf.rendezvous import placed, task_name
+
+        return {t.bundle_index: task_name(spec.name, t) for t in self.assign(placed(bundle_nodes), spec)}
+
     def role_name(self, task: "Task") -> str:
         return task.role
 

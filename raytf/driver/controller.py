@@ -255,7 +255,8 @@ class Controller:
             warm = self.resources.take_standby(self.pg, len(a.bundles))
             if self.decisions:
                 self.decisions[-1]["standby"] = len(warm)  # warm processes promoted (0: all new)
-        a.group = self.resources.new_group(self.pg, a.bundles, self.env, warm)
+        a.group = self.resources.new_group(self.pg, a.bundles, self.env, warm,
+                                           names=lambda nodes: self.backend.actor_names(a.spec, nodes))
         try:
             a.tasks = self.backend.assign(a.group.start(timeout_s), a.spec)
             a.group.setup(a.tasks, a.payload, timeout_s)
@@ -478,7 +479,7 @@ class Controller:
         a = self.attempt
         a.standby_armed = True
         if self.backend.supports_standby:
-            self.resources.fill_standby(self.pg, self.env, a.tasks)
+            self.resources.fill_standby(self.pg, self.env, a.tasks, self.spec.name)
 
     def _stop_group(self) -> None:
         if self.attempt is not None and self.attempt.group is not None:

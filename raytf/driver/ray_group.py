@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+import uuid
+from typing import Any, Callable
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import ActorAlreadyExistsError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raytf.actor.context import WorkerPayload
@@ -15,7 +16,7 @@ from raytf.actor.task_actor import TaskActor
 from raytf.driver import placement
 from raytf.driver.group import Finished, TaskError
 from raytf.errors import PortTaken, WorkerStartupError
-from raytf.rendezvous import ActorReport, Task, tf_config
+from raytf.rendezvous import ActorReport, Task, task_name, tf_config
 
 _RemoteTaskActor = ray.remote(TaskActor)
 
@@ -61,17 +62,27 @@ def summary(message: str, limit: int = 300) -> str:
     return lines[0][:limit]
 
 
-def create_actor(pg, index: int, bundle: dict[str, float], runtime_env: dict[str, Any], port: int = 0):
-    """A TaskActor in bundle `index`; an empty `bundle` makes a warm standby that takes no resources."""
-    return _RemoteTaskActor.options(
-        num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), max_concurrency=2,
-        max_restarts=0, runtime_env=runtime_env,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index),
-    ).remote(index, port)
+def create_actor(pg, index: int, bundle: dict[str, float], runtime_env: dict[str, Any], port: int = 0,
+                 name: str | None = None, namespace: str | None = None):
+    """A TaskActor in bundle `index`; an empty `bundle` makes a warm standby that takes no resources.
+    `name` shows in `ray list actors` and the dashboard; names are unique within a namespace, so each
+    group of actors gets a namespace of its own (a restart, a sweep's trials and a replacement reuse names)."""
+    options = dict(num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), max_concurrency=2,
+                   max_restarts=0, runtime_env=runtime_env,
+                   scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
+                                                                        placement_group_bundle_index=index))
+    if name is not None:
+        options.update(name=name, namespace=namespace or new_namespace())
+    return _RemoteTaskActor.options(**options).remote(index, port)
 
 
-def task_name(job: str, task: Task) -> str:
-    return f"raytf:{job}:{task.role}-{task.index}"
+def new_namespace() -> str:
+    return f"raytf-{uuid.uuid4().hex[:12]}"
+
+
+def bundle_nodes(pg) -> dict[int, str]:
+    """bundle index -> node id, once the placement group is ready."""
+    return {int(i): node for i, node in ray.util.placement_group_table(pg)["bundles_to_node_id"].items()}
 
 
 def kill(actor) -> None:
@@ -83,10 +94,15 @@ def kill(actor) -> None:
 
 class RayWorkerGroup:
     def __init__(self, pg, bundles: list[dict[str, float]], runtime_env: dict[str, Any],
-                 standby: dict[int, tuple[Any, tuple, str | None]] | None = None):
-        """standby: bundle index -> (warm actor, GPU ids, CUDA_VISIBLE_DEVICES) to use instead of a new actor."""
+                 standby: dict[int, tuple[Any, tuple, str | None]] | None = None,
+                 names: Callable[[dict[int, str]], dict[int, str]] | None = None):
+        """standby: bundle index -> (warm actor, GPU ids, CUDA_VISIBLE_DEVICES) to use instead of a new actor.
+        names: bundle index -> node id  to  bundle index -> actor name (the backend's plan of ranks)."""
         self.pg, self.bundles, self.runtime_env = pg, bundles, runtime_env
         self.standby = dict(standby or {})
+        self._plan_names = names
+        self._names: dict[int, str] = {}
+        self._namespace = new_namespace()
         self.actors: list[Any] = []  # by bundle index
         self.tasks: list[Task] = []  # by rank
         self._by_rank: list[Any] = []
@@ -94,7 +110,9 @@ class RayWorkerGroup:
         self._stopped = False
 
     def start(self, timeout_s: float) -> list[ActorReport]:
-        """Create one actor per bundle and collect what each reports about itself."""
+        """Create one actor per bundle, named after the task it will play, and collect what each reports."""
+        if self._plan_names is not None:
+            self._names = self._plan_names(bundle_nodes(self.pg))
         reports = []
         for index in range(len(self.bundles)):
             if index in self.standby:
@@ -107,7 +125,12 @@ class RayWorkerGroup:
         return self._get(reports, timeout_s, "report in", [f"bundle {i}" for i in range(len(self.actors))])
 
     def _create(self, index: int, port: int = 0):
-        return create_actor(self.pg, index, self.bundles[index], self.runtime_env, port)
+        name = self._names.get(index)
+        try:
+            return create_actor(self.pg, index, self.bundles[index], self.runtime_env, port, name, self._namespace)
+        except ActorAlreadyExistsError:  # still held by the actor this one replaces, dead but not yet freed
+            name = f"{name}.{uuid.uuid4().hex[:4]}" if name else None
+            return create_actor(self.pg, index, self.bundles[index], self.runtime_env, port, name, self._namespace)
 
     def setup(self, tasks: list[Task], payload: WorkerPayload, timeout_s: float) -> list[dict[str, Any]]:
         self.tasks = tasks
@@ -224,16 +247,18 @@ class RayResources:
     def release(self, pg) -> None:
         placement.release(pg)
 
-    def new_group(self, pg, bundles, env, standby):
-        return self.group_cls(pg, bundles, env, standby=standby) if standby else self.group_cls(pg, bundles, env)
+    def new_group(self, pg, bundles, env, standby, names=None):
+        return self.group_cls(pg, bundles, env, standby=standby or None, names=names)
 
-    def fill_standby(self, pg, env: dict[str, Any], tasks: list[Task]) -> None:
+    def fill_standby(self, pg, env: dict[str, Any], tasks: list[Task], job: str = "") -> None:
+        """One warm process per task, named raytf:<job>:standby-<rank> (it keeps that name once promoted)."""
         if not self.standby_enabled or self._standby:
             return
         self._standby_pg = pg
+        namespace = new_namespace()
         for t in tasks:
-            self._standby[t.bundle_index] = (create_actor(pg, t.bundle_index, {}, env), t.gpu_ids,
-                                             t.cuda_visible_devices)
+            actor = create_actor(pg, t.bundle_index, {}, env, name=f"raytf:{job}:standby-{t.rank}", namespace=namespace)
+            self._standby[t.bundle_index] = (actor, t.gpu_ids, t.cuda_visible_devices)
 
     def take_standby(self, pg, count: int) -> dict[int, tuple[Any, tuple, str | None]]:
         """The live standbys of bundles 0..count-1 of this placement group; the others are let go."""
