@@ -26,15 +26,16 @@ JOB = REPO / "jobs" / "digits.yaml"
 WORKERS = 2
 
 
-def overrides(epochs: int, out: str) -> dict:
-    return {"train.epochs": epochs, "cluster.workers": WORKERS, "output.dir": out, "output.tensorboard": False}
+def overrides(epochs: int, out: str, extra: dict | None = None) -> dict:
+    return {"train.epochs": epochs, "cluster.workers": WORKERS, "output.dir": out, "output.tensorboard": False,
+            **(extra or {})}
 
 
-def run_raytf(epochs: int) -> dict:
+def run_raytf(epochs: int, job: Path = JOB, extra: dict | None = None) -> dict:
     import raytf
 
     started = time.time()
-    result = raytf.fit(str(JOB), overrides(epochs, tempfile.mkdtemp()))
+    result = raytf.fit(str(job), overrides(epochs, tempfile.mkdtemp(), extra))
     print("raytf phases:", result.phases, flush=True)
     return {"first_step_s": result.time_to_first_step_s, "total_s": time.time() - started,
             "examples_per_s": result.examples_per_s, "loss": result.history[-1]["loss"]}
@@ -50,7 +51,7 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
-def run_hand_launched(epochs: int, global_batch: int) -> dict:
+def run_hand_launched(epochs: int, global_batch: int, job: Path = JOB, extra: dict | None = None) -> dict:
     ports = _free_ports(WORKERS)
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
     started = time.time()
@@ -59,8 +60,8 @@ def run_hand_launched(epochs: int, global_batch: int) -> dict:
         # OMP_NUM_THREADS=1 as Ray sets it for a 1-CPU actor, so both ways get the same threading.
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", OMP_NUM_THREADS="1",
                    TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}))
-        procs.append(subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "hand_worker.py"), str(JOB),
-                                       json.dumps(overrides(epochs, tempfile.mkdtemp()))],
+        procs.append(subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "hand_worker.py"), str(job),
+                                       json.dumps(overrides(epochs, tempfile.mkdtemp(), extra))],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
     outputs = [p.communicate(timeout=600)[0] for p in procs]
     total = time.time() - started

@@ -1,5 +1,6 @@
 """One hand-launched TF worker (no Ray): TF_CONFIG comes from the environment, as a user would write it.
-Runs raytf's own loop, so the comparison with raytf isolates orchestration cost. Prints one JSON line."""
+Runs the job's loop as a raytf actor would (raytf's own loop, or the job's train_fn with its ctx), so the
+comparison with raytf isolates orchestration cost. Prints one JSON line."""
 import json
 import os
 import sys

@@ -174,6 +174,10 @@ class TrainSpec(_Strict):
     # Gradient accumulation: the optimizer steps once per K micro-batches of global_batch_size, so the
     # effective batch is global_batch_size x K at the memory of one micro-batch.
     accumulation_steps: int = Field(default=1, ge=1)
+    # A train_fn's Keras: legacy runs it under tf.keras = tf-keras (Keras 2, TF_USE_LEGACY_KERAS=1), whose
+    # model.fit works under MultiWorkerMirrored. None: Keras 3, and a train_fn that calls .fit() is refused
+    # (Keras 3's fit fails under MultiWorkerMirrored on TF 2.21); keras3: Keras 3, unchecked.
+    keras: Literal["keras3", "legacy"] | None = None
 
     @property
     def effective_batch_size(self) -> int:
@@ -368,6 +372,9 @@ class JobSpec(_Strict):
         if elastic is not None and elastic.min_workers > self.cluster.workers:
             raise ValueError(f"failure.elastic.min_workers {elastic.min_workers} is more than cluster.workers "
                              f"{self.cluster.workers}; use at most {self.cluster.workers}")
+        if self.train.keras == "legacy" and self.train_fn is None:
+            raise ValueError("train.keras: legacy runs a train_fn under tf.keras (Keras 2); raytf's own loop (model + "
+                             "data) is Keras 3: remove train.keras, or give a train_fn")
         if self.train_fn is not None:
             ours = [(self.train.accumulation_steps > 1, "train.accumulation_steps"),
                     (self.optimizer.schedule != ScheduleSpec(), "optimizer.schedule"),
@@ -567,6 +574,8 @@ def load(source: "str | Path | Mapping[str, Any] | JobSpec | Job",
         ref = getattr(spec, key)
         if ref is not None:
             find_module(ref, job_dir, key)
+    if spec.train_fn is not None:
+        check_train_fn_keras(spec, job_dir)
     job = Job(spec=spec, job_dir=job_dir, source=name)
     if job.checkpoint_dir is not None:
         from raytf.checkpoint import Storage
@@ -612,6 +621,61 @@ def check_job_code(job: Job) -> None:
         if ref is not None:
             resolve_function(ref, job.job_dir, key)
     _check_keras_names(job.spec)
+
+
+LEGACY_INSTALL = "pip install 'raytf[legacy]'"  # tf-keras==2.21.*
+
+
+def check_train_fn_keras(spec: JobSpec, job_dir: Path) -> None:
+    """Before any actor starts: train.keras: legacy needs tf-keras installed, and a train_fn that calls
+    .fit() under Keras 3 would fail inside every worker (TF 2.21's MultiWorkerMirrored and Keras 3's fit do
+    not work together), so it is refused with the way out. Reads the source; imports nothing."""
+    if spec.train.keras == "legacy":
+        if importlib.util.find_spec("tf_keras") is None:
+            raise SpecError(f"train.keras: legacy needs tf-keras (Keras 2), which is not installed; {LEGACY_INSTALL} "
+                            f"(or pip install tf-keras==2.21.*)")
+        return
+    if spec.train.keras is not None:  # keras3, said explicitly: the user knows what the function does
+        return
+    module_name, _, func_name = spec.train_fn.partition(":")
+    source = module_source(module_name, job_dir)
+    lines = fit_calls(source, func_name) if source is not None else []
+    if lines:
+        raise SpecError(f"train_fn {spec.train_fn} calls .fit() (line {lines[0]}): Keras 3's model.fit fails under "
+                        f"MultiWorkerMirroredStrategy on TensorFlow 2.21; run it under tf.keras with train.keras: "
+                        f"legacy (tf-keras: {LEGACY_INSTALL}), write the loop with strategy.run, or use raytf's loop "
+                        f"(model + data). If this .fit() is not a Keras model's, set train.keras: keras3")
+
+
+def module_source(module_name: str, job_dir: Path) -> str | None:
+    """The text of a module's file, found as find_module finds it, without importing it."""
+    root = code_root(module_name, job_dir)
+    path = None
+    if root is not None:
+        candidate = root.joinpath(*module_name.split("."))
+        path = candidate.with_suffix(".py") if candidate.with_suffix(".py").is_file() else candidate / "__init__.py"
+    else:
+        try:
+            found = importlib.util.find_spec(module_name)
+        except (ImportError, ValueError):
+            found = None
+        path = Path(found.origin) if found is not None and found.origin else None
+    return path.read_text() if path is not None and path.is_file() else None
+
+
+def fit_calls(source: str, func_name: str) -> list[int]:
+    """The lines where function `func_name` of `source` calls `<something>.fit(...)`."""
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []  # the import reports it
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == func_name:
+            return sorted(call.lineno for call in ast.walk(node) if isinstance(call, ast.Call)
+                          and isinstance(call.func, ast.Attribute) and call.func.attr == "fit")
+    return []
 
 
 def job_folder(spec: JobSpec, start: Path, source: str = "job spec") -> Path:

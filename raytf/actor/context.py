@@ -39,9 +39,11 @@ class TaskContext:
     loop runs, from another thread of the actor) and per-epoch metrics.
 
     For `train_fn` users: `strategy`, `rank`, `world_size`, `num_replicas`, `per_replica_batch_size`,
-    `global_batch_size`, `is_chief`, `spec`, `build_model()`, `report(metrics)` once per epoch, and
-    `save_model(model)` on every worker (it syncs BatchNormalization statistics; the chief's copy becomes
-    <output.dir>/model.keras).
+    `global_batch_size`, `steps_per_epoch`, `validation_steps`, `is_chief`, `spec`, `build_model()`;
+    `dataset(name)` / `distributed_dataset(name)` (this worker's shard of the job's data),
+    `checkpoint(model=..., optimizer=...)` (save(step) / restore()), `step(step, loss)` as steps go,
+    `report(metrics)` once per epoch, and `save_model(model)` on every worker (it syncs BatchNormalization
+    statistics; the chief's copy becomes <output.dir>/model.keras). raytf.actor.own_loop implements them.
     """
 
     def __init__(self, rank: int, world_size: int, spec: JobSpec, staging_dir: str,
@@ -58,6 +60,10 @@ class TaskContext:
         self.saved_model = None
         self.exports: dict[str, str] = {}  # format -> path in staging_dir, from save_model
         self.state_sync: Callable[[Any], None] | None = None  # set by the loop that owns the strategy
+        self.steps_per_epoch: int | None = None  # train_fn with data: optimizer steps per epoch on every worker
+        self.validation_steps: int | None = None  # train_fn with data.validation: batches per pass, every worker
+        self.restored_step = 0  # the step a train_fn's checkpoint restored
+        self.own_loop = None  # train_fn: raytf.actor.own_loop.OwnLoop (data and checkpoints)
         self._payload = payload
         self._lock = threading.Lock()
         self._report_interval_s = report_interval_s
@@ -65,11 +71,12 @@ class TaskContext:
         self._progress: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "phase": "starting", "global_step": 0,
                                           "updated": time.time()}
         self.first_step_at: float | None = None
+        self._epoch_started = time.time()  # a train_fn's epoch, for report()
         self._epochs: list[dict[str, Any]] = []
         self._evaluations: list[dict[str, Any]] = []
 
     # -- progress, called by raytf's loop on every step; cheap unless a report is due
-    def step(self, epoch: int, step: int, steps: int, global_step: int, loss, examples: int) -> None:
+    def train_step(self, epoch: int, step: int, steps: int | None, global_step: int, loss, examples: int) -> None:
         now = time.time()
         self.global_step = global_step
         if self.first_step_at is None:
@@ -81,7 +88,8 @@ class TaskContext:
         self._last_report = now
         with self._lock:
             self._progress.update(phase="train", epoch=epoch, step=step, steps=steps, global_step=global_step,
-                                  loss=float(loss), examples_seen=examples * global_step, updated=now)
+                                  loss=float("nan") if loss is None else float(loss),
+                                  examples_seen=examples * global_step, updated=now)
 
     def phase(self, name: str) -> None:
         """A named stretch of work (validating, checkpointing, restoring): progress for the hang watchdog."""
@@ -105,10 +113,46 @@ class TaskContext:
             return {**self._progress, "epochs": list(self._epochs), "evaluations": list(self._evaluations)}
 
     # -- for train_fn users
+    def step(self, step: int, loss=None) -> None:
+        """Call it as optimizer steps go (`step`: steps done so far, counted from the start of training): the
+        progress line shows it, and the hang watchdog (failure.hang_timeout_s) sees the loop is alive."""
+        spe = self.steps_per_epoch
+        epoch, in_epoch = (step // spe + 1, step % spe) if spe else (len(self.history) + 1, step)
+        self.train_step(epoch, in_epoch, spe, step, loss, self.global_batch_size)
+
+    def dataset(self, name: str = "train", epoch: int | None = None, skip: int = 0):
+        """This worker's shard of data.train ("train") or data.validation ("validation") as a tf.data.Dataset
+        of per-replica batches, read as raytf's loop reads it (every row in exactly one worker's shard).
+
+        train: `epoch=None` is every epoch, endless (epoch e is batches (e-1)*steps_per_epoch .. e*steps_per_epoch,
+        reshuffled each epoch from train.seed), starting `skip` optimizer steps in (the step a checkpoint
+        restored); `epoch=k` is just epoch k, steps_per_epoch batches on every worker, less the first `skip`.
+        validation: one pass, every row once, as (x, y, weight) with weight 0 on the padding rows that give
+        every worker validation_steps batches."""
+        return self._own_loop("dataset").dataset(name, epoch, skip)
+
+    def distributed_dataset(self, name: str = "train", epoch: int | None = None, skip: int = 0):
+        """`dataset(...)` for `strategy.run`: a tf.distribute.DistributedDataset of the same batches."""
+        return self._own_loop("distributed_dataset").distributed_dataset(name, epoch, skip)
+
+    def checkpoint(self, **trackables):
+        """The job's checkpoints for a train_fn: `ckpt = ctx.checkpoint(model=model, optimizer=optimizer)`,
+        then `step = ckpt.restore()` (the step restored after a restart or with --resume; None when starting
+        fresh) and `ckpt.save(step)` on every worker (the chief uploads to checkpoint.dir)."""
+        return self._own_loop("checkpoint").checkpoint(trackables)
+
+    def _own_loop(self, what: str):
+        if self.own_loop is None:
+            raise RuntimeError(f"ctx.{what}() is for a train_fn under strategy: mirrored")
+        return self.own_loop
+
     def report(self, metrics: dict[str, Any]) -> None:
         """Record one epoch's metrics (floats); the driver shows them and writes them to result.json."""
+        now = time.time()
         entry = {"epoch": len(self.history) + 1, **{k: (float(v) if not isinstance(v, (int, str)) else v)
                                                      for k, v in metrics.items()}}
+        entry.setdefault("seconds", round(now - self._epoch_started, 3))
+        self._epoch_started = now
         self.history.append(entry)
         self.global_step = int(entry.get("step", self.global_step))
         if self.first_step_at is None:
@@ -123,11 +167,18 @@ class TaskContext:
     def save_model(self, model) -> None:
         """Call it on every worker: it first makes each replica's BatchNormalization statistics (and any
         other non-trainable float state) the mean over all replicas, a collective, so every worker ends
-        with the same model."""
+        with the same model. Every worker writes it, the chief for output.dir and the others to a scratch
+        folder: a tf.keras (Keras 2) save reads its metrics' sync-on-read variables with a collective that
+        every worker must join (a chief saving alone waits forever)."""
+        import tempfile
+
+        from raytf.actor import export
+
         if self.state_sync is not None:
             self.state_sync(model)
         self.saved_model = model
         if self.is_chief:
-            from raytf.actor import export
-
             self.exports = export.write(model, self._payload, self.staging_dir)
+        else:
+            with tempfile.TemporaryDirectory(prefix="raytf-scratch-") as scratch:
+                export.write(model, self._payload, scratch)

@@ -14,7 +14,7 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
 import tensorflow as tf
@@ -22,7 +22,7 @@ import tensorflow as tf
 from raytf.actor import schedules
 from raytf.actor import steps as steps_lib
 from raytf.actor.context import TaskContext, WorkerPayload
-from raytf.checkpoint import META, Storage
+from raytf.checkpoint import META, CheckpointInfo, Storage
 from raytf.errors import CheckpointCorrupt
 
 
@@ -84,7 +84,7 @@ def run(runner: Runner, payload: WorkerPayload, ctx: TaskContext) -> dict[str, A
                 global_step += 1
                 trace.after(global_step)
                 if loss is not None:
-                    ctx.step(epoch, step, runner.steps, global_step, loss, spec.train.effective_batch_size)
+                    ctx.train_step(epoch, step, runner.steps, global_step, loss, spec.train.effective_batch_size)
             if checkpoints.enabled and every_kind == "steps" and global_step % every == 0 and step < runner.steps:
                 runner.sync_state()
                 checkpoints.save(global_step, epoch, step, history, runner.epoch_totals())
@@ -181,44 +181,66 @@ class Checkpoints:
         resume = self.payload.resume_from
         if resume is None:
             return Position()
-        self.ctx.phase("restoring")
-        local = tempfile.mkdtemp(prefix="raytf-restore-")
-        try:
-            try:
-                Storage(self.payload.checkpoint_dir).download(resume, local)
-                with open(os.path.join(local, META)) as f:
-                    meta = json.load(f)
-            except Exception as exc:
-                raise CheckpointCorrupt(resume.path, _first_line(exc)) from None
-            self.runner.check_restorable(meta, resume.path)
-            try:
-                self.runner.state.read(os.path.join(local, "state"), options=self.runner.checkpoint_options()
-                                       ).assert_existing_objects_matched()
-            except Exception as exc:
-                raise CheckpointCorrupt(resume.path, _first_line(exc)) from None
-        finally:
-            shutil.rmtree(local, ignore_errors=True)
+        meta = read_state(self.runner.state, resume, self.payload.checkpoint_dir, self.ctx,
+                          self.runner.checkpoint_options(), check=self.runner.check_restorable)
         return Position(resume.epoch, resume.step_in_epoch, resume.step, resume.history, meta.get("epoch_totals"))
 
     def save(self, global_step: int, epoch: int, step_in_epoch: int, history: list,
              totals: np.ndarray | None = None) -> None:
         if self.storage is None:
             return
-        self.ctx.phase("checkpointing")
-        local = tempfile.mkdtemp(prefix="raytf-ckpt-")
+
+        def meta(local_dir: str) -> dict[str, Any]:
+            return {"step": global_step, "epoch": epoch, "step_in_epoch": step_in_epoch, "history": history,
+                    "epoch_totals": totals.tolist() if totals is not None else None,
+                    **self.runner.checkpoint_extras(local_dir)}
+
+        write_state(self.runner.state, self.storage, self.ctx, self.payload.spec.checkpoint.keep, meta,
+                    self.runner.checkpoint_options())
+
+
+def read_state(state: tf.train.Checkpoint, resume: CheckpointInfo, location: str, ctx: TaskContext,
+               options: tf.train.CheckpointOptions | None = None, check=None, keep_in: str | None = None) -> dict[str, Any]:
+    """Restore `state` from checkpoint `resume`; returns its raytf.json. A checkpoint that cannot be read is
+    CheckpointCorrupt (naming it), which the driver answers by trying the one before. `check(meta, path)`
+    may refuse it first. `keep_in`: download into this folder and leave the files there, for variables not
+    created yet (an optimizer's, before its first step), which TensorFlow restores when they are created."""
+    ctx.phase("restoring")
+    local = keep_in or tempfile.mkdtemp(prefix="raytf-restore-")
+    try:
         try:
-            self.runner.state.write(os.path.join(local, "state"), options=self.runner.checkpoint_options())
-            if self.ctx.is_chief:
-                extras = self.runner.checkpoint_extras(local)
-                self.storage.upload(local, {"step": global_step, "epoch": epoch, "step_in_epoch": step_in_epoch,
-                                            "history": history, "world_size": self.ctx.world_size,
-                                            "saved_at": time.time(),
-                                            "epoch_totals": totals.tolist() if totals is not None else None,
-                                            **extras})
-                self.storage.prune(self.payload.spec.checkpoint.keep)
-        finally:
+            Storage(location).download(resume, local)
+            with open(os.path.join(local, META)) as f:
+                meta = json.load(f)
+        except Exception as exc:
+            raise CheckpointCorrupt(resume.path, _first_line(exc)) from None
+        if check is not None:
+            check(meta, resume.path)
+        try:
+            state.read(os.path.join(local, "state"), options=options).assert_existing_objects_matched()
+        except Exception as exc:
+            raise CheckpointCorrupt(resume.path, _first_line(exc)) from None
+    finally:
+        if keep_in is None:
             shutil.rmtree(local, ignore_errors=True)
-        self.ctx.phase("train")
+    return meta
+
+
+def write_state(state: tf.train.Checkpoint, storage: Storage, ctx: TaskContext, keep: int,
+                meta: Callable[[str], dict[str, Any]], options: tf.train.CheckpointOptions | None = None) -> None:
+    """Every process that runs the loop writes `state` (a MultiWorkerMirrored save may run collectives), each
+    to a temporary folder of its own; the chief uploads its copy with raytf.json (`meta(its folder)` plus the
+    world size and the time) written last, then prunes to `keep`."""
+    ctx.phase("checkpointing")
+    local = tempfile.mkdtemp(prefix="raytf-ckpt-")
+    try:
+        state.write(os.path.join(local, "state"), options=options)
+        if ctx.is_chief:
+            storage.upload(local, {**meta(local), "world_size": ctx.world_size, "saved_at": time.time()})
+            storage.prune(keep)
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+    ctx.phase("train")
 
 
 def _first_line(exc: BaseException) -> str:

@@ -52,7 +52,9 @@ def train(strategy: tf.distribute.Strategy, task, payload: WorkerPayload, ctx: T
 
 def run(strategy: tf.distribute.Strategy, payload: WorkerPayload, ctx: TaskContext) -> dict[str, Any]:
     if payload.spec.train_fn is not None:
-        return _run_user_loop(strategy, payload, ctx)
+        from raytf.actor import own_loop
+
+        return own_loop.run(strategy, payload, ctx)
     return loop.run(MirroredRunner(strategy, payload, ctx), payload, ctx)
 
 
@@ -72,7 +74,7 @@ class MirroredRunner:
             raise ValueError(f"train.global_batch_size {global_batch} is not divisible by the {replicas} replicas "
                              f"TensorFlow found ({local_replicas} per worker)")
         self.replicas = replicas
-        self.plan = _Plan(payload, ctx.world_size, global_batch // replicas, local_replicas)
+        self.plan = InputPlan(payload, ctx.world_size, global_batch // replicas, local_replicas)
         self.steps = self.plan.steps
         self.model, self.optimizer, _ = steps_lib.build_model(payload, strategy, self.steps)
         self.state = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer)
@@ -159,8 +161,9 @@ class MirroredRunner:
                 "optimizer_steps": int(self.optimizer.iterations.numpy()), "exports": exports}
 
 
-class _Plan:
-    """Steps per epoch and the per-worker input functions, from the Parquet metadata."""
+class InputPlan:
+    """Steps per epoch and the per-worker input functions, from the Parquet metadata (raytf's loop, and a
+    train_fn's ctx.dataset)."""
 
     def __init__(self, payload: WorkerPayload, world_size: int, per_replica: int, local_replicas: int):
         spec = payload.spec
@@ -197,13 +200,14 @@ class _Plan:
 
         return dataset_fn
 
-    def val_input(self):
+    def val_input(self, repeat: bool = True):
+        """Every validation row once per pass; `repeat`: the same pass for every epoch, one pipeline."""
         p = self.payload
 
         def dataset_fn(input_context: tf.distribute.InputContext):
             shard = self.val_shards[input_context.input_pipeline_id]
             return data.eval_dataset(p.val_data, p.val_root, shard, self.per_replica,
-                                     self.val_steps * self.local_replicas, repeat=True)
+                                     self.val_steps * self.local_replicas, repeat=repeat)
 
         return dataset_fn
 
@@ -213,15 +217,3 @@ def _micro_batched(dataset_fn, micro_batches: int):
     if micro_batches == 1:
         return dataset_fn
     return lambda input_context: dataset_fn(input_context).batch(micro_batches, drop_remainder=True)
-
-
-def _run_user_loop(strategy, payload: WorkerPayload, ctx: TaskContext) -> dict[str, Any]:
-    """train_fn: the user's loop; raytf gives it the strategy, rank, batch sizes and report()."""
-    ctx.strategy = strategy
-    ctx.num_replicas = strategy.num_replicas_in_sync
-    ctx.per_replica_batch_size = payload.spec.train.global_batch_size // ctx.num_replicas
-    ctx.state_sync = lambda model: steps_lib.make_state_sync(strategy, model)()
-    payload.function("train_fn")(ctx)
-    digest = steps_lib.weights_digest(ctx.saved_model) if ctx.saved_model is not None else None
-    return {"history": ctx.history, "weights_digest": digest, "steps": ctx.global_step,
-            "steps_run": ctx.global_step, "replicas": ctx.num_replicas, "exports": ctx.exports}

@@ -40,8 +40,10 @@ def runtime_env(job: Job) -> dict[str, Any]:
     """The job folder travels to every actor as its working directory; modules found only in the
     driver's working directory travel as py_modules. Outputs stay behind."""
     extra_modules = modules_outside(job.job_dir, [job.spec.model, job.spec.dataset_fn, job.spec.train_fn])
-    env = {"working_dir": str(job.job_dir), "excludes": excludes_for(job),
-           "env_vars": {"TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}}
+    env_vars = {"TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
+    if job.spec.train.keras == "legacy":  # tf.keras is tf-keras (Keras 2) in every actor
+        env_vars["TF_USE_LEGACY_KERAS"] = "1"
+    env = {"working_dir": str(job.job_dir), "excludes": excludes_for(job), "env_vars": env_vars}
     if extra_modules:
         env["py_modules"] = extra_modules
     return env
