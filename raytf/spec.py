@@ -318,9 +318,9 @@ class OutputSpec(_Strict):
     # keras: model.keras; saved_model: a TensorFlow SavedModel for TF Serving, at saved_model/
     export: list[Literal["keras", "saved_model"]] = Field(default_factory=lambda: ["keras"], min_length=1)
     profile: ProfileSpec | None = None  # a tf.profiler trace, into tensorboard/ for TensorBoard's profile plugin
-    # Each worker's input wait and step time, measured in its steps; stragglers named. Off by default
-    # until its cost is pinned down (benchmarks/bench_timing.py: BENCHMARKS.md, "Per-worker timing").
-    timing: bool = False
+    # Each worker's input wait and step time, measured in its steps; stragglers named. Its cost is below
+    # what a run-to-run comparison resolves (benchmarks/bench_timing.py: BENCHMARKS.md, "Per-worker timing").
+    timing: bool = True
 
 
 class JobSpec(_Strict):
