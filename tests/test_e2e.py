@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.test_user_paths import files_under, run_cli
+from tests.test_user_paths import assert_quiet, files_under, run_cli
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -48,6 +48,7 @@ def check_digits_run(proc, copy: Path, jobs_before: set[str]) -> None:
     assert len({t["weights_digest"] for t in result["tasks"]}) == 1
     assert files_under(copy / "jobs") == jobs_before  # nothing else appeared in jobs/
     assert "digits succeeded" in proc.stdout and "epoch 15 done" in proc.stderr
+    assert_quiet(proc)
 
 
 @pytest.mark.parametrize("where", ["the repository root", "inside jobs/"])

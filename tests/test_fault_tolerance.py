@@ -1,19 +1,18 @@
 """Checkpoints and recovery on the local multi-node cluster: a dead or hung worker costs at most one
 checkpoint interval, never a hang; restarts are bounded; resume continues where a run stopped."""
 import json
+import shutil
 import time
 
 import pytest
-from click.testing import CliRunner
 
 import raytf
 from raytf.checkpoint import Storage
-from raytf.cli import main
 from raytf.driver.controller import run
 from raytf.errors import SpecError, TrainingFailed
 from raytf.spec import load
 from tests.conftest import assert_nothing_left, base_spec, write_job
-from tests.faults import Killer, an_extra_node, rank_one_data
+from tests.faults import Killer, rank_one_data
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -93,33 +92,32 @@ def test_a_worker_killed_every_attempt_fails_after_max_restarts_with_exit_1(clus
     assert_nothing_left()
 
 
-def two_epochs_checkpointed_every_epoch(job_dir):
-    """A finished 2-epoch run with a checkpoint after each epoch; returns (job path, its result)."""
-    spec = ft_spec(job_dir, checkpoint={"dir": str(job_dir / "ckpt"), "every_epochs": 1, "keep": 3},
+@pytest.fixture(scope="module")
+def two_epochs(cluster, tmp_path_factory):
+    """A finished 2-epoch run with a checkpoint after each epoch: (its spec, its result, its checkpoint
+    folder), for tests that resume from a copy of the checkpoints. (A resume that continues with the
+    optimizer state and the schedule: tests/test_large_batches.py.)"""
+    from tests.conftest import DIGITS, MODEL_MODULE
+
+    folder = tmp_path_factory.mktemp("two-epochs")
+    (folder / "tmodel.py").write_text(MODEL_MODULE)
+    shutil.copytree(DIGITS, folder / "data", ignore=shutil.ignore_patterns("*.py"))
+    spec = ft_spec(folder, checkpoint={"dir": str(folder / "ckpt"), "every_epochs": 1, "keep": 3},
                    failure={"max_restarts": 0})
     spec["train"]["epochs"] = 2
-    path = write_job(job_dir, spec)
-    return path, raytf.fit(path)
+    return spec, raytf.fit(write_job(folder, spec)), folder / "ckpt"
 
 
-def test_resume_continues_at_the_saved_step_with_the_optimizer_state(cluster, job_dir):
-    path, first = two_epochs_checkpointed_every_epoch(job_dir)
-    assert [c.step for c in Storage(str(job_dir / "ckpt")).list()] == [STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH]
-
-    refused = CliRunner().invoke(main, ["run", str(path), "--set", "train.epochs=3"])
-    assert refused.exit_code == 2 and "already holds checkpoints" in refused.output and "--resume" in refused.output
-
-    resumed = raytf.fit(path, {"train.epochs": 3}, resume=True)
-    assert resumed.history[:2] == first.history  # the finished epochs are carried over
-    assert [h["epoch"] for h in resumed.history] == [1, 2, 3]
-    assert [t["steps"] for t in resumed.tasks] == [3 * STEPS_PER_EPOCH] * 2
-    assert [t["optimizer_steps"] for t in resumed.tasks] == [3 * STEPS_PER_EPOCH] * 2  # not restarted from 0
-    assert resumed.history[2]["loss"] < first.history[0]["loss"]
-    assert_nothing_left()
+def resumable(job_dir, two_epochs):
+    """The shared 2-epoch run as a job of this test's own, with a copy of its checkpoints."""
+    spec, first, ckpt = two_epochs
+    shutil.copytree(ckpt, job_dir / "ckpt")
+    spec = {**spec, "checkpoint": {**spec["checkpoint"], "dir": str(job_dir / "ckpt")}}
+    return write_job(job_dir, spec), first
 
 
-def test_a_corrupt_checkpoint_is_reported_and_the_previous_one_is_used(cluster, job_dir):
-    path, _ = two_epochs_checkpointed_every_epoch(job_dir)
+def test_a_corrupt_checkpoint_is_reported_and_the_previous_one_is_used(cluster, job_dir, two_epochs):
+    path, _ = resumable(job_dir, two_epochs)
     latest = Storage(str(job_dir / "ckpt")).latest()
     data_file = next(p for p in (job_dir / "ckpt").glob(f"ckpt-{latest.step:012d}/state.data-*"))
     data_file.write_bytes(b"\0" * 10)
@@ -136,24 +134,3 @@ def test_an_unwritable_checkpoint_dir_is_a_spec_error_before_training(job_dir):
         load(write_job(job_dir, ft_spec(job_dir, checkpoint={"dir": str(job_dir / "a-file" / "ckpt")})))
     with pytest.raises(SpecError, match="checkpoint.dir: pyarrow cannot open"):
         load(write_job(job_dir, ft_spec(job_dir, checkpoint={"dir": "nosuchscheme://bucket/x"})))
-
-
-def test_a_lost_node_restarts_with_fewer_workers_under_failure_elastic(cluster, job_dir):
-    spec = ft_spec(job_dir, train={"epochs": 2, "global_batch_size": 24, "seed": 7},
-                   cluster={"workers": 4, "cpus_per_worker": 1, "reserve_timeout_s": 5},
-                   checkpoint={"dir": str(job_dir / "ckpt"), "every_steps": 20},
-                   failure={"max_restarts": 1, "hang_timeout_s": 60, "elastic": {"min_workers": 2}})
-    with an_extra_node(cluster) as (extra, remove_it):  # 4 CPUs in all: one worker per CPU
-        killer = Killer(rank=0, at_step=30, attempts={1}, kill=remove_it)
-        result = run(load(write_job(job_dir, spec)), group_cls=killer.group_cls)
-    assert killer.killed_at, "the node was never removed"
-    assert len(result.restarts) == 1 and result.restarts[0]["kind"] == "actor_died"
-    assert result.workers == 3 and result.restarts[0]["workers"] == 3  # 4 no longer fit; 3 divide 24
-    # 4/3 accumulation steps do not divide: the global batch is kept, 8 rows per replica instead of 6
-    assert result.batch == {"global_batch_size": 24, "accumulation_steps": 1, "per_replica_batch_size": 8,
-                            "kept": "global_batch"}
-    assert result.restarts[0]["resumed_from_step"] in (20, 40)
-    assert len(result.tasks) == 3 and extra.node_id not in {t["node_id"] for t in result.tasks}
-    assert [t["steps"] for t in result.tasks] == [2 * (1437 // 24)] * 3
-    assert len({t["weights_digest"] for t in result.tasks}) == 1
-    assert_nothing_left()

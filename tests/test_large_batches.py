@@ -216,7 +216,9 @@ def test_four_micro_batches_end_with_the_weights_of_one_batch_four_times_larger(
 @pytest.mark.timeout(300)
 def test_a_resume_from_mid_epoch_continues_the_schedule_exactly(cluster, job_dir):
     """The learning rate of every epoch, in result.json and TensorBoard, is Keras's CosineDecay at that
-    epoch's last optimizer step, whether the run was resumed from a mid-epoch checkpoint or not."""
+    epoch's last optimizer step, whether the run was resumed from a mid-epoch checkpoint or not; the resumed
+    run ends with the weights and optimizer step count of the uninterrupted one. Without --resume, the
+    checkpoint folder is not overwritten (exit 2)."""
     optimizer = {"name": "sgd", "learning_rate": 0.05, "schedule": {
         "name": "cosine", "decay": {"epochs": 3}, "warmup": {"epochs": 1}}}
     steps = TRAIN_ROWS // 64  # 22 optimizer steps per epoch (global 32 x 2 micro-batches)
@@ -225,9 +227,13 @@ def test_a_resume_from_mid_epoch_continues_the_schedule_exactly(cluster, job_dir
     whole = raytf.fit(write_job(job_dir, {**spec, "name": "whole"}, "whole.yaml"))
     resumed_spec = {**spec, "name": "resumed", "checkpoint": {"dir": str(job_dir / "ckpt"), "every_steps": 15}}
     path = write_job(job_dir, resumed_spec, "resumed.yaml")
-    raytf.fit(path, {"train.epochs": 2})
+    first = raytf.fit(path, {"train.epochs": 2})
     assert Storage(str(job_dir / "ckpt")).latest().step == 30  # epoch 2, 8 of its 22 steps done
+    refused = CliRunner().invoke(main, ["run", str(path)])  # nothing is overwritten by accident
+    assert refused.exit_code == 2 and "already holds checkpoints" in refused.output and "--resume" in refused.output
     resumed = raytf.fit(path, resume=True)
+    assert resumed.history[0] == first.history[0]  # the epoch finished before the checkpoint is carried over
+    assert [h["epoch"] for h in resumed.history] == [1, 2, 3, 4]
 
     keras_cosine = keras.optimizers.schedules.CosineDecay(0.0, 3 * steps, warmup_target=0.05, warmup_steps=steps)
     expected = [float(keras_cosine(e * steps - 1)) for e in (1, 2, 3, 4)]

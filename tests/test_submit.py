@@ -102,32 +102,6 @@ def submission_id(proc: subprocess.CompletedProcess) -> str:
 # ---------------------------------------------------------------- against the cluster
 
 
-@pytest.mark.cluster
-@pytest.mark.timeout(360)
-def test_submit_runs_a_two_worker_job_to_success_and_exits_0(head, job_dir):
-    out = job_dir / "out"  # same machine as the head: the driver's result is readable here
-    path = write_job(job_dir, base_spec(output={"dir": str(out)}))
-    proc = cli(head, "submit", str(path), "--address", head.address, "--set", "train.epochs=1")
-
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    job_id = submission_id(proc)
-    assert "raytf: t succeeded" in proc.stdout  # the driver's own lines, followed live
-    assert "epoch 1 done" in proc.stdout
-    assert proc.stderr.strip().splitlines()[-1] == f"raytf: job {job_id} SUCCEEDED"
-
-    result = json.loads((out / "result.json").read_text())
-    assert result["status"] == "succeeded" and len(result["history"]) == 1  # --set reached the cluster
-    assert [t["rank"] for t in result["tasks"]] == [0, 1]
-    assert len({t["weights_digest"] for t in result["tasks"]}) == 1
-
-    status = cli(head, "status", job_id, "--address", head.address, timeout=60)
-    assert status.returncode == 0 and status.stdout.startswith(f"raytf: job {job_id} SUCCEEDED"), status.stderr
-    assert "entrypoint: raytf run job.yaml --set train.epochs=1" in status.stdout
-    logs = cli(head, "logs", job_id, "--address", head.address, timeout=60)
-    assert logs.returncode == 0 and "raytf: t succeeded" in logs.stdout
-    wait_for_actors(head, "gone", 30)
-
-
 WRITING_MODEL = textwrap.dedent('''
     """Writes a file into its own folder when imported: on the cluster that folder is the job's working
     copy, so the driver's package of it differs from the one submitted and is uploaded again from there."""
@@ -139,19 +113,35 @@ WRITING_MODEL = textwrap.dedent('''
 
 @pytest.mark.cluster
 @pytest.mark.timeout(360)
-def test_submit_from_the_job_folder_of_a_job_that_changes_it_leaves_no_package_in_the_working_copy(head, job_dir):
+def test_submit_from_the_job_folder_runs_a_two_worker_job_to_success_and_leaves_no_package_behind(head, job_dir):
+    """Submitted from inside its folder, as users do; the job's model writes into that folder on import, so
+    on the cluster the driver's package of its working copy differs and is uploaded again from there."""
     (job_dir / "writing.py").write_text(WRITING_MODEL)
-    write_job(job_dir, base_spec(model="writing:build_model", output={"dir": str(job_dir / "out")}))
+    out = job_dir / "out"  # same machine as the head: the driver's result is readable here
+    write_job(job_dir, base_spec(model="writing:build_model", output={"dir": str(out)}))
     before = {p.name for p in job_dir.iterdir()}
     proc = cli(head, "submit", "job.yaml", "--address", head.address, "--set", "train.epochs=1", cwd=job_dir)
+
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert json.loads((job_dir / "out" / "result.json").read_text())["status"] == "succeeded"
+    job_id = submission_id(proc)
+    assert "raytf: t succeeded" in proc.stdout  # the driver's own lines, followed live
+    assert "epoch 1 done" in proc.stdout
+    assert proc.stderr.strip().splitlines()[-1] == f"raytf: job {job_id} SUCCEEDED"
+    result = json.loads((out / "result.json").read_text())
+    assert result["status"] == "succeeded" and len(result["history"]) == 1  # --set reached the cluster
+    assert [t["rank"] for t in result["tasks"]] == [0, 1]
+    assert len({t["weights_digest"] for t in result["tasks"]}) == 1
+
+    status = cli(head, "status", job_id, "--address", head.address, timeout=60)
+    assert status.returncode == 0 and status.stdout.startswith(f"raytf: job {job_id} SUCCEEDED"), status.stderr
+    assert "entrypoint: raytf run job.yaml --set train.epochs=1" in status.stdout
+    logs = cli(head, "logs", job_id, "--address", head.address, timeout=60)
+    assert logs.returncode == 0 and "raytf: t succeeded" in logs.stdout
 
     copies = [p.parent for p in (Path(head.temp_dir) / "session_latest" / "runtime_resources").rglob("writing.py")]
     assert copies  # the job's working copy on the head, where its driver ran
     for copy in copies:
         assert not list(copy.rglob("*.zip")), f"a package was built inside the working copy {copy}"
-    assert (job_dir / "out" / "result.json").is_file()
     assert {p.name for p in job_dir.iterdir()} == before | {"out"}  # nothing else appeared where the user stood
     wait_for_actors(head, "gone", 30)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import DIGITS, REPO, assert_nothing_left, base_spec
+from tests.conftest import DIGITS, REPO, base_spec
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -38,40 +38,6 @@ STATEFUL_MODEL = textwrap.dedent('''
     def bn_model():
         return keras.Sequential([keras.Input(shape=(64,)), keras.layers.Dense(32), keras.layers.BatchNormalization(),
                                  keras.layers.Activation("relu"), keras.layers.Dropout(0.2), keras.layers.Dense(10)])
-
-
-    def custom_loop(ctx):
-        """A train_fn in the tf.distribute tutorials' style: strategy.run over a distributed dataset."""
-        import numpy as np
-        import pyarrow.parquet as pq
-        import tensorflow as tf
-
-        table = pq.read_table("data/digits-train.parquet")
-        x = np.stack(table.column("pixels").to_numpy(zero_copy_only=False)).astype("float32")
-        y = table.column("label").to_numpy()
-        shard = slice(ctx.rank, None, ctx.world_size)
-        ds = tf.data.Dataset.from_tensor_slices((x[shard], y[shard])).batch(ctx.per_replica_batch_size,
-                                                                            drop_remainder=True)
-        with ctx.strategy.scope():
-            model = ctx.build_model()
-            optimizer = keras.optimizers.Adam(0.01)
-        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
-
-        @tf.function
-        def step(batch):
-            def replica(xb, yb):
-                with tf.GradientTape() as tape:
-                    loss = tf.nn.compute_average_loss(loss_fn(yb, model(xb, training=True)),
-                                                      global_batch_size=ctx.global_batch_size)
-                grads = tape.gradient(loss, model.trainable_variables)
-                optimizer.apply_gradients(zip(grads, model.trainable_variables))
-                return loss
-            return ctx.strategy.reduce("SUM", ctx.strategy.run(replica, args=batch), axis=None)
-
-        for epoch in range(2):
-            losses = [float(step(b)) for b in ds.take(20)]
-            ctx.report({"loss": sum(losses) / len(losses)})
-        ctx.save_model(model)
 ''')
 
 
@@ -249,27 +215,46 @@ def _where(project: Path, how: str, tmp_path: Path) -> tuple[Path, str]:
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize("how", ["inside the job folder", "from the project root", "elsewhere, absolute path",
-                                 "elsewhere, symlinked job file"])
+@pytest.mark.parametrize("how", ["elsewhere, absolute path", "elsewhere, symlinked job file"])
 def test_run_trains_the_same_from_every_working_directory(project, tmp_path, how):
+    """From a folder that is not the job's (from inside it and from the project root: tests/test_e2e.py, the
+    README's command verbatim). The model has BatchNormalization, Dropout, Embedding and LayerNormalization:
+    every worker ends bit-identical, and the saved model scores the validation rows as the run reported."""
+    import keras
+    import numpy as np
+    import pyarrow.parquet as pq
+
     cwd, job_arg = _where(project, how, tmp_path)
     before = files_under(project)
-    elsewhere_before = files_under(cwd) if cwd != project and cwd != project.parent else None
-    proc = run_cli(["run", job_arg, "--set", "train.epochs=1"], cwd=cwd)
+    elsewhere_before = files_under(cwd)
+    proc = run_cli(["run", job_arg, "--set", "train.epochs=2"], cwd=cwd)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     out = project.parent / "runs" / "stateful"  # output.dir ../runs/stateful, against the job folder
     result = json.loads((out / "result.json").read_text())
     assert result["status"] == "succeeded" and (out / "model.keras").is_file()
     assert files_under(project) == before  # nothing new in the job folder: no zip, no __pycache__
-    if elsewhere_before is not None:
-        assert files_under(cwd) == elsewhere_before  # nor where the user stood
+    assert files_under(cwd) == elsewhere_before  # nor where the user stood
     assert f"result {out}/result.json" in proc.stdout
-    # The terminal has raytf's lines only: no TensorFlow start-up noise, no Ray INFO lines, no worker logs.
+    assert_quiet(proc)
+    assert "epoch 2 done" in proc.stderr
+
+    assert len({t["weights_digest"] for t in result["tasks"]}) == 1  # BatchNormalization's statistics included
+    losses = [h["loss"] for h in result["history"]]
+    assert losses[-1] < losses[0]
+    model = keras.models.load_model(out / "model.keras")
+    table = pq.read_table(project / "data" / "digits-test.parquet")
+    x = {name: np.stack(table.column(name).to_numpy(zero_copy_only=False)) for name in ("pixels", "tokens")}
+    accuracy = float((model.predict(x, verbose=0).argmax(axis=1) == table.column("label").to_numpy()).mean())
+    assert accuracy == pytest.approx(result["history"][-1]["val_accuracy"], abs=1e-6) and accuracy > 0.8
+
+
+def assert_quiet(proc) -> None:
+    """The terminal has raytf's lines only: no TensorFlow start-up noise, no Ray INFO lines, no worker logs."""
     for noise in ("oneDNN", "cuda", "absl", "Creating a file package", "Pushing file package", "TaskActor pid",
                   "INFO", "Started a local Ray"):
         assert noise not in proc.stderr, proc.stderr
-    assert "raytf: workers' logs: " in proc.stderr and "epoch 1 done" in proc.stderr
+    assert "raytf: workers' logs: " in proc.stderr
 
 
 @pytest.mark.cluster
@@ -277,7 +262,7 @@ def test_tune_from_inside_the_job_folder_leaves_it_as_it_was_and_its_best_spec_r
     sweep = yaml.safe_load((project / "job.yaml").read_text())
     sweep.update(name="sweep", model="stateful:bn_model", output={"dir": "../runs/sweep", "tensorboard": False},
                  tune={"metric": "val_loss", "mode": "min",
-                       "space": {"optimizer.learning_rate": {"grid": [0.003, 0.03]}}})
+                       "space": {"optimizer.learning_rate": {"grid": [0.003]}}})  # one trial: the path, not the search
     sweep["data"]["features"] = ["pixels"]
     sweep["train"]["epochs"] = 1
     (project / "sweep.yaml").write_text(yaml.safe_dump(sweep))
@@ -302,50 +287,6 @@ def test_data_inspect_reads_the_same_from_every_working_directory(project, tmp_p
         assert proc.returncode == 0, proc.stderr
         shown.add(proc.stdout.replace(path, "PATH"))
     assert len(shown) == 1 and "1,437 rows" in shown.pop()
-
-
-# ---------------------------------------------------------------- models with state, on the test cluster
-
-
-@pytest.mark.cluster
-def test_batchnorm_dropout_embedding_layernorm_end_identical_on_every_worker(cluster, project):
-    import keras
-    import numpy as np
-    import pyarrow.parquet as pq
-
-    import raytf
-
-    result = raytf.fit(project / "job.yaml", {"output.dir": str(project.parent / "out")})
-    assert len(result.tasks) == 2
-    digests = {t["weights_digest"] for t in result.tasks}
-    assert len(digests) == 1, digests  # BatchNormalization's moving statistics included
-    losses = [h["loss"] for h in result.history]
-    assert losses[-1] < losses[0]
-
-    # The chief's saved model scores the validation rows as the run reported.
-    model = keras.models.load_model(result.model_path)
-    table = pq.read_table(project / "data" / "digits-test.parquet")
-    x = {name: np.stack(table.column(name).to_numpy(zero_copy_only=False)) for name in ("pixels", "tokens")}
-    predicted = model.predict(x, verbose=0).argmax(axis=1)
-    accuracy = float((predicted == table.column("label").to_numpy()).mean())
-    assert accuracy == pytest.approx(result.history[-1]["val_accuracy"], abs=1e-6)
-    assert accuracy > 0.8
-    assert_nothing_left()
-
-
-@pytest.mark.cluster
-def test_a_custom_loop_with_batchnorm_ends_identical_on_every_worker(cluster, project):
-    import raytf
-
-    spec = yaml.safe_load((project / "job.yaml").read_text())
-    spec.update(model="stateful:bn_model", train_fn="stateful:custom_loop", output={"dir": str(project.parent / "out2")})
-    spec.pop("data")
-    (project / "loop.yaml").write_text(yaml.safe_dump(spec))
-    result = raytf.fit(project / "loop.yaml")
-    digests = {t["weights_digest"] for t in result.tasks}
-    assert len(digests) == 1 and None not in digests
-    assert result.history[-1]["loss"] < result.history[0]["loss"]
-    assert_nothing_left()
 
 
 @pytest.mark.timeout(60)
