@@ -161,7 +161,8 @@ def test_two_ps_split_the_table_the_evaluator_reports_each_epoch_and_a_resume_co
     resumed = run(load(write_job(ps_dir, again)), resume=True)
     assert resumed.tasks[0]["steps"] == 3 * STEPS_PER_EPOCH  # the step counter went on from the checkpoint,
     assert [h["epoch"] for h in resumed.history] == [1, 2, 3]  # epochs 1-2 came from it, epoch 3 ran
-    assert resumed.history[:2] == first.history
+    trained = ("epoch", "loss", "auc", "examples", "step")  # the evaluator's val_* may land after the first run ends
+    assert [{k: h[k] for k in trained} for h in resumed.history[:2]] == [{k: h[k] for k in trained} for h in first.history]
     assert resumed.history[2]["loss"] < first.history[0]["loss"]  # the weights came back, not fresh ones
     # One ps task would hold the table whole: that checkpoint does not fit, and the error says why
     # (rather than falling back to older checkpoints, which do not fit either).
