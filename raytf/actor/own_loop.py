@@ -21,6 +21,7 @@ from raytf.actor import steps as steps_lib
 from raytf.actor.context import TaskContext, WorkerPayload
 from raytf.actor.mirrored import InputPlan
 from raytf.checkpoint import Storage
+from raytf.spec import LEGACY_INSTALL
 
 # What TF 2.21 raises when Keras 3's model.fit runs under MultiWorkerMirroredStrategy.
 KERAS3_FIT_ERROR = "Attempt to convert a value (PerReplica"
@@ -41,7 +42,7 @@ def run(strategy: tf.distribute.Strategy, payload: WorkerPayload, ctx: TaskConte
             raise RuntimeError(
                 f"{spec.train_fn}: Keras 3's model.fit fails under MultiWorkerMirroredStrategy on TensorFlow 2.21 "
                 f"({KERAS3_FIT_ERROR}...) to a Tensor); run the script under tf.keras with train.keras: legacy "
-                f"(pip install 'raytf[legacy]'), or write the loop with strategy.run, or use raytf's loop "
+                f"(tf-keras: {LEGACY_INSTALL}), or write the loop with strategy.run, or use raytf's loop "
                 f"(model + data, no train_fn)") from None
         raise
     finally:
