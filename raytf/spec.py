@@ -194,6 +194,9 @@ class ClusterSpec(_Strict):
     workers: int = Field(default=2, ge=1)
     cpus_per_worker: float = Field(default=1.0, ge=0)
     gpus_per_worker: float = Field(default=0.0, ge=0)
+    # Custom Ray resources each worker asks for too, e.g. {spot: 1} to run only on the node types that
+    # declare them (cluster.yaml's spot GPU nodes do).
+    resources_per_worker: dict[str, float] = Field(default_factory=dict)
     placement: Literal["pack", "spread", "strict_pack", "strict_spread"] = "pack"
     # per_gpu: one worker per GPU (gpus_per_worker <= 1, fractions share a GPU); per_node: one worker
     # per node using all gpus_per_worker GPUs of it (MirroredStrategy inside the node, collectives
@@ -223,6 +226,13 @@ class ClusterSpec(_Strict):
         if self.gpu_placement == "per_node" and (self.gpus_per_worker < 1 or self.gpus_per_worker % 1):
             raise ValueError(f"cluster.gpu_placement per_node needs gpus_per_worker = the GPUs of a node "
                              f"(a whole number >= 1), got {self.gpus_per_worker:g}")
+        for name, amount in self.resources_per_worker.items():
+            if name in ("CPU", "GPU", "memory", "object_store_memory"):
+                raise ValueError(f"cluster.resources_per_worker: {name} is not a custom resource; use "
+                                 f"cpus_per_worker / gpus_per_worker" if name in ("CPU", "GPU") else
+                                 f"cluster.resources_per_worker: {name} is not a custom resource; leave it out")
+            if not amount > 0:
+                raise ValueError(f"cluster.resources_per_worker: {name}: {amount} must be > 0")
         return self
 
     @property
@@ -274,6 +284,10 @@ class FailureSpec(_Strict):
     # With max_restarts > 0 (mirrored): once training runs, keep one warm process per worker with
     # TensorFlow imported, so a restart promotes them instead of starting new ones.
     standby: bool = True
+    # When Ray marks a node of the job as draining (a spot instance reclaimed, `ray drain-node`), every
+    # worker stops at one common step, the job checkpoints there and restarts without the node, free of
+    # failure.max_restarts. Needs checkpoint.dir; false: carry on until the node goes.
+    preemption: bool = True
 
 
 class CheckpointSpec(_Strict):

@@ -34,6 +34,7 @@ class Script:
     error: TaskError | None = None
     hang_after: float | None = None
     steps_per_s: float = 10.0
+    checkpoint_s: float | None = None  # how long its last checkpoint took, as its progress says
     outcome: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -55,15 +56,26 @@ def checkpoint_corrupt(path: str) -> TaskError:
                      f"CheckpointCorrupt: checkpoint {path} cannot be restored")
 
 
+CHECKPOINT_S = 0.5  # how long a fake checkpoint-now takes
+
+
 class _Handle:
     _ids = itertools.count()
 
     def __init__(self, rank: int, script: Script, started: float):
         self.id, self.rank, self.script, self.started = next(self._ids), rank, script, started
+        self.stop_step: int | None = None  # a drain notice's common step
+
+    def step_at(self, now: float) -> int:
+        return int((now - self.started) * self.script.steps_per_s)
 
     def event(self) -> tuple[float, str] | None:
-        """(when, 'finish' | 'fail') of this task's end, if it ends."""
+        """(when, 'finish' | 'fail' | 'stopped') of this task's end, if it ends."""
         s = self.script
+        if self.stop_step is not None:  # reaches the step, then checkpoints for CHECKPOINT_S
+            stopped = self.started + self.stop_step / s.steps_per_s + CHECKPOINT_S
+            if s.fail_after is None or stopped < self.started + s.fail_after:
+                return stopped, "stopped"
         if s.fail_after is not None:
             return self.started + s.fail_after, "fail"
         if s.finish_after is not None:
@@ -89,10 +101,13 @@ class FakeGroup:
         self.stopped = False
 
     def start(self, timeout_s: float) -> list[ActorReport]:
+        # bundles alternate over the nodes that are not draining (Ray places nothing new on those)
+        nodes = [n for n in self.world.nodes if n not in self.world.draining()]
+        node_of = {i: nodes[i % len(nodes)] for i in range(len(self.bundles))}
         if self.plan_names is not None:
-            self.names = self.plan_names({i: f"node-{i % 2}" for i in range(len(self.bundles))})
-        return [ActorReport(bundle_index=i, node_id=f"node-{i % 2}", node_ip=f"10.0.0.{i % 2 + 1}", port=4000 + i)
-                for i in range(len(self.bundles))]
+            self.names = self.plan_names(node_of)
+        return [ActorReport(bundle_index=i, node_id=node, node_ip=f"10.0.0.{self.world.nodes.index(node) + 1}",
+                            port=4000 + i) for i, node in node_of.items()]
 
     def setup(self, tasks, payload, timeout_s: float):
         self.tasks = tasks
@@ -122,6 +137,11 @@ class FakeGroup:
                 self.returned.add(h)
                 if kind == "fail":
                     out.append(Finished(h, error=h.script.error))
+                elif kind == "stopped":
+                    if h.rank == 0 and self.world.on_checkpoint is not None:
+                        self.world.on_checkpoint(h.stop_step)
+                    out.append(Finished(h, outcome={"history": [], "steps": h.stop_step, "preempted": {
+                        "step": h.stop_step, "saved": {"step": h.stop_step, "seconds": CHECKPOINT_S}}}))
                 else:
                     out.append(Finished(h, outcome=self._outcome(h)))
         return out
@@ -143,7 +163,19 @@ class FakeGroup:
             if h.script.hang_after is not None:
                 running = min(running, h.script.hang_after)
             out.append({"phase": "train", "global_step": int(running * h.script.steps_per_s), "epochs": [],
-                        "updated": now})
+                        "updated": now, **({"checkpoint_s": h.script.checkpoint_s} if h.script.checkpoint_s else {})})
+        return out
+
+    def stop_at(self, ranks: list[int], step: int, timeout_s: float) -> list[dict[str, Any] | None]:
+        self.world.stop_requests.append((list(ranks), step))
+        out = []
+        for h in sorted(self.handles, key=lambda h: h.rank):
+            if h.rank in ranks:
+                done = h.step_at(self.clock.now())
+                accepted = step > done and h.rank not in self.world.refuse_stop
+                if accepted:
+                    h.stop_step = step
+                out.append({"accepted": accepted, "step": done})
         return out
 
     def replace(self, task, payload, timeout_s: float) -> _Handle:
@@ -162,7 +194,7 @@ class FakeResources:
 
     def __init__(self, clock: FakeClock, script: Callable[[int, Any], Script],
                  capacity: int | Callable[[int], int] = 1000, port_taken_times: int = 0,
-                 replacement: Callable[[Any], Script] | None = None):
+                 replacement: Callable[[Any], Script] | None = None, nodes: int = 2):
         self.clock, self.script, self.port_taken_times = clock, script, port_taken_times
         self.capacity = capacity if callable(capacity) else (lambda n: capacity)
         self.replacement = replacement or (lambda task: Script(finish_after=None))
@@ -172,6 +204,11 @@ class FakeResources:
         self.payloads: list[Any] = []
         self.replaced: list[int] = []
         self.pg_alive = True
+        self.nodes = ["node-0", "node-1", "node-2"][:nodes]
+        self.drains: list[tuple[float, str, float | None]] = []  # (from when, node id, deadline) as Ray would say
+        self.stop_requests: list[tuple[list[int], int]] = []
+        self.refuse_stop: set[int] = set()  # ranks that answer a stop request as already past the step
+        self.on_checkpoint: Callable[[int], None] | None = None  # the chief's checkpoint-now, at this step
 
     def reserve(self, bundles, strategy: str, timeout_s: float, name: str):
         self.reservations.append(len(bundles))
@@ -199,3 +236,6 @@ class FakeResources:
 
     def release_standby(self) -> None:
         pass
+
+    def draining(self) -> dict[str, float | None]:
+        return {node: deadline for since, node, deadline in self.drains if since <= self.clock.now()}

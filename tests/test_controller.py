@@ -247,6 +247,86 @@ def test_the_restart_budget_runs_out(tmp_path):
     assert saved.count('"kind": "actor_died"') == 2  # the decision log: two restarts, then the end
 
 
+def preemptible(tmp_path, **failure):
+    return make_job(tmp_path, checkpoint={"dir": str(tmp_path / "ckpt"), "every_steps": 50},
+                    failure={"max_restarts": 0, **failure})
+
+
+def test_a_drained_node_stops_every_worker_at_one_step_checkpoints_and_restarts_without_it(tmp_path):
+    storage = Storage(str(tmp_path / "ckpt"))
+    job = preemptible(tmp_path)
+    c, world, clock = make(tmp_path, lambda attempt, task: Script(finish_after=30.0), job, nodes=3)
+    t0 = clock.now()
+    world.drains = [(t0 + 6.0, "node-1", t0 + 36.0)]  # rank 1's node, a 30-s deadline
+    world.on_checkpoint = lambda step: _checkpoints(tmp_path, [step]) and None
+    result = run_fast(c)
+    assert result.status == "succeeded"  # max_restarts 0: a preemption is not charged
+    (ranks, step), = world.stop_requests
+    assert ranks == [0, 1] and step > 60  # past where both were when asked (10 steps/s, ~6 s in)
+    restart, = result.restarts
+    assert restart["kind"] == "preempted" and restart["node_id"] == "node-1" and restart["ranks"] == [1]
+    assert restart["step_saved"] == step and restart["resumed_from_step"] == step and restart["steps_lost"] == 0
+    assert restart["deadline"] == t0 + 36.0 and 29 <= restart["deadline_s_after_notice"] <= 30
+    assert 0 < restart["notice_to_checkpoint_s"] < 30
+    assert world.payloads[-1].resume_from.step == step == storage.latest().step
+    assert world.released[0] == "pg-1" and world.reservations == [2, 2]  # placed anew, off the draining node
+    assert {t["node_id"] for t in result.tasks} == {"node-0", "node-2"}
+    assert "node 10.0.0.2 is draining" in restart["reason"]
+
+
+def test_a_drain_without_a_deadline_is_handled_the_same(tmp_path):
+    c, world, clock = make(tmp_path, lambda attempt, task: Script(finish_after=30.0), preemptible(tmp_path), nodes=3)
+    world.drains = [(clock.now() + 3.0, "node-0", None)]
+    result = run_fast(c)
+    restart, = result.restarts
+    assert restart["kind"] == "preempted" and restart["deadline"] is None and restart["step_saved"] is not None
+
+
+def test_a_drained_node_the_job_does_not_use_changes_nothing(tmp_path):
+    c, world, clock = make(tmp_path, lambda attempt, task: Script(finish_after=20.0), preemptible(tmp_path), nodes=3)
+    world.drains = [(clock.now() + 3.0, "node-2", clock.now() + 30.0)]
+    result = run_fast(c)
+    assert result.restarts == [] and world.stop_requests == [] and len(world.groups) == 1
+
+
+def test_a_deadline_shorter_than_a_checkpoint_falls_back_to_the_last_one_at_once(tmp_path):
+    _checkpoints(tmp_path, [50])
+    script = lambda attempt, task: Script(finish_after=30.0, checkpoint_s=8.0)  # noqa: E731
+    c, world, clock = make(tmp_path, script, preemptible(tmp_path), nodes=3, resume=True)
+    world.drains = [(clock.now() + 6.0, "node-1", clock.now() + 16.0)]  # 10 s left, a checkpoint takes 8
+    result = run_fast(c)
+    restart, = result.restarts
+    assert world.stop_requests == [] and restart["step_saved"] is None and restart["resumed_from_step"] == 50
+    assert "too short for a checkpoint (the last took 8.0s)" in restart["reason"]
+
+
+def test_a_rank_already_past_the_stop_step_falls_back_and_the_node_going_first_is_still_a_preemption(tmp_path):
+    c, world, clock = make(tmp_path, lambda attempt, task: Script(finish_after=30.0), preemptible(tmp_path), nodes=3)
+    world.drains = [(clock.now() + 6.0, "node-1", clock.now() + 36.0)]
+    world.refuse_stop = {1}
+    result = run_fast(c)
+    restart, = result.restarts
+    assert restart["kind"] == "preempted" and "rank(s) [1] could not stop at step" in restart["reason"]
+    assert restart["step_saved"] is None and restart["steps_lost"] > 0  # back to the start: no checkpoint yet
+
+    def dies(attempt, task):  # the node goes before the step is reached
+        return Script(fail_after=7.0, error=actor_died()) if attempt == 1 and task.rank == 1 else Script(finish_after=30)
+
+    c, world, clock = make(tmp_path / "2", dies, preemptible(tmp_path / "2"), nodes=3)
+    world.drains = [(clock.now() + 6.0, "node-1", clock.now() + 8.0)]
+    result = run_fast(c)
+    restart, = result.restarts
+    assert restart["kind"] == "preempted" and "actor died" in restart["cause"] and restart["step_saved"] is None
+    assert result.status == "succeeded"
+
+
+def test_without_a_checkpoint_dir_a_drain_is_only_reported(tmp_path):
+    c, world, clock = make(tmp_path, lambda attempt, task: Script(finish_after=20.0), make_job(tmp_path), nodes=3)
+    world.drains = [(clock.now() + 3.0, "node-1", None)]
+    result = run_fast(c)
+    assert result.restarts == [] and world.stop_requests == []
+
+
 def test_the_driver_side_imports_neither_ray_nor_tensorflow():
     """The controller, the policies, the backends and the spec in a fresh interpreter."""
     code = textwrap.dedent("""

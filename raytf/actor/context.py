@@ -34,6 +34,15 @@ class WorkerPayload:
         return getattr(importlib.import_module(module_name), func_name)
 
 
+class StopTraining(BaseException):
+    """Raised out of a train_fn's ctx.step at the step a drain notice set, once the checkpoint there is
+    written; raytf catches it. A BaseException, so a train_fn's `except Exception` does not swallow it."""
+
+    def __init__(self, info: dict[str, Any]):
+        super().__init__(f"stopped at step {info['step']} for a drain notice")
+        self.info = info
+
+
 class TaskContext:
     """A task's view of itself, and its channel to the driver: progress (read by the driver while the
     loop runs, from another thread of the actor) and per-epoch metrics.
@@ -74,6 +83,34 @@ class TaskContext:
         self._epoch_started = time.time()  # a train_fn's epoch, for report()
         self._epochs: list[dict[str, Any]] = []
         self._evaluations: list[dict[str, Any]] = []
+        self._stop_at: int | None = None  # a drain notice: the step the loop stops and checkpoints at
+        self._last_step = 0  # the last step the loop finished, as stop_due saw it
+
+    # -- a drain notice (raytf.driver.controller): every loop-running rank stops at one common step
+    def request_stop(self, step: int) -> dict[str, Any]:
+        """Stop after optimizer step `step`. Accepted only while the loop has not finished it yet (it may
+        be inside the step after the last one it finished), so every rank that accepts stops at exactly
+        `step`; the driver gives up on the checkpoint when one does not accept."""
+        with self._lock:
+            accepted = step > self._last_step
+            if accepted:
+                self._stop_at = step
+            return {"accepted": accepted, "step": self._last_step}
+
+    def stop_due(self, step: int) -> bool:
+        """Called by the loop after each optimizer step (`step`: done so far): whether to stop here."""
+        with self._lock:
+            self._last_step = step
+            return self._stop_at is not None and step >= self._stop_at
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop_at is not None
+
+    def checkpointed(self, seconds: float) -> None:
+        """How long the last checkpoint took: the driver compares it with a draining node's deadline."""
+        with self._lock:
+            self._progress["checkpoint_s"] = round(seconds, 3)
 
     # -- progress, called by raytf's loop on every step; cheap unless a report is due
     def train_step(self, epoch: int, step: int, steps: int | None, global_step: int, loss, examples: int) -> None:
@@ -119,6 +156,8 @@ class TaskContext:
         spe = self.steps_per_epoch
         epoch, in_epoch = (step // spe + 1, step % spe) if spe else (len(self.history) + 1, step)
         self.train_step(epoch, in_epoch, spe, step, loss, self.global_batch_size)
+        if self.stop_due(step) and self.own_loop is not None:  # a drain notice: checkpoint here, then stop
+            self.own_loop.stop_here(step)
 
     def dataset(self, name: str = "train", epoch: int | None = None, skip: int = 0):
         """This worker's shard of data.train ("train") or data.validation ("validation") as a tf.data.Dataset

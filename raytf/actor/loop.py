@@ -37,7 +37,8 @@ class Runner(Protocol):
     validates: bool  # whether each epoch ends with a pass over the validation rows here
 
     def start_epoch(self, epoch: int, totals: np.ndarray | None) -> None: ...  # totals: restored sums
-    def train(self, count: int, epoch: int) -> Iterator[Any]: ...  # runs `count` steps; yields each loss (or None)
+    # runs up to `count` steps, yielding each loss (or None); no new step once `stopping()` is true
+    def train(self, count: int, epoch: int, stopping: Callable[[], bool]) -> Iterator[Any]: ...
     def epoch_totals(self) -> np.ndarray: ...  # this epoch's sums over all replicas so far
     def epoch_notes(self) -> dict[str, Any]: ...  # extra per-epoch metrics (steps whose metrics were lost)
     def sync_state(self) -> None: ...  # make per-replica state (BN statistics) agree
@@ -79,12 +80,15 @@ def run(runner: Runner, payload: WorkerPayload, ctx: TaskContext) -> dict[str, A
             if every_kind == "steps":
                 stop = min(runner.steps, step + every - global_step % every)
             trace.before(global_step + 1)
-            for loss in runner.train(stop - step, epoch):
+            for loss in runner.train(stop - step, epoch, stopping=lambda: ctx.stop_due(global_step)):
                 step += 1
                 global_step += 1
                 trace.after(global_step)
                 if loss is not None:
                     ctx.train_step(epoch, step, runner.steps, global_step, loss, spec.train.effective_batch_size)
+            if ctx.stop_requested and ctx.stop_due(global_step):  # a drain notice: checkpoint now, here
+                trace.close()
+                return stopped(runner, checkpoints, ctx, global_step, epoch, step, history, position)
             if checkpoints.enabled and every_kind == "steps" and global_step % every == 0 and step < runner.steps:
                 runner.sync_state()
                 checkpoints.save(global_step, epoch, step, history, runner.epoch_totals())
@@ -108,6 +112,20 @@ def run(runner: Runner, payload: WorkerPayload, ctx: TaskContext) -> dict[str, A
     outcome.update(history=history, steps=global_step, steps_run=global_step - position.global_step,
                    timing=runner.timing())
     return outcome
+
+
+def stopped(runner: Runner, checkpoints: "Checkpoints", ctx: TaskContext, global_step: int, epoch: int, step: int,
+            history: list, position: Position) -> dict[str, Any]:
+    """The loop stopped at the step a drain notice set: checkpoint there (a mid-epoch checkpoint, its metric
+    sums included; at an epoch's last step too, so the resumed attempt ends that epoch), and return."""
+    saved = None
+    if checkpoints.enabled:
+        runner.sync_state()
+        started = time.time()
+        checkpoints.save(global_step, epoch, step, history, runner.epoch_totals())
+        saved = {"step": global_step, "seconds": round(time.time() - started, 3)}
+    return {"preempted": {"step": global_step, "saved": saved}, "history": history, "steps": global_step,
+            "steps_run": global_step - position.global_step}
 
 
 class TimingEvents:
@@ -232,6 +250,7 @@ def write_state(state: tf.train.Checkpoint, storage: Storage, ctx: TaskContext, 
     to a temporary folder of its own; the chief uploads its copy with raytf.json (`meta(its folder)` plus the
     world size and the time) written last, then prunes to `keep`."""
     ctx.phase("checkpointing")
+    started = time.time()
     local = tempfile.mkdtemp(prefix="raytf-ckpt-")
     try:
         state.write(os.path.join(local, "state"), options=options)
@@ -240,6 +259,7 @@ def write_state(state: tf.train.Checkpoint, storage: Storage, ctx: TaskContext, 
             storage.prune(keep)
     finally:
         shutil.rmtree(local, ignore_errors=True)
+    ctx.checkpointed(time.time() - started)
     ctx.phase("train")
 
 

@@ -109,8 +109,10 @@ class MirroredRunner:
         start = totals if totals is not None and self.ctx.is_chief else np.zeros(sum(self.train_acc.sizes))
         self.train_acc.total.assign(tf.constant(start, tf.float64))
 
-    def train(self, count: int, epoch: int) -> Iterator[Any]:
+    def train(self, count: int, epoch: int, stopping=lambda: False) -> Iterator[Any]:
         for _ in range(count):
+            if stopping():
+                return
             try:
                 yield self.fns.train(self._iterator)
             except tf.errors.OutOfRangeError:

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 from typing import Any
 
 import tensorflow as tf
 
 from raytf.actor import loop
 from raytf.actor import steps as steps_lib
-from raytf.actor.context import TaskContext, WorkerPayload
+from raytf.actor.context import StopTraining, TaskContext, WorkerPayload
 from raytf.actor.mirrored import InputPlan
 from raytf.checkpoint import Storage
 from raytf.spec import LEGACY_INSTALL
@@ -37,6 +38,9 @@ def run(strategy: tf.distribute.Strategy, payload: WorkerPayload, ctx: TaskConte
         ctx.state_sync = lambda model: steps_lib.make_state_sync(strategy, model)()
     try:
         payload.function("train_fn")(ctx)
+    except StopTraining as stop:  # a drain notice: the checkpoint at the common step is written
+        return {"preempted": stop.info, "history": ctx.history, "steps": stop.info["step"],
+                "steps_run": stop.info["step"] - ctx.restored_step}
     except Exception as exc:
         if KERAS3_FIT_ERROR in str(exc):
             raise RuntimeError(
@@ -64,6 +68,7 @@ class OwnLoop:
             ctx.steps_per_epoch = self.plan.steps
             ctx.validation_steps = self.plan.val_steps or None
         self.restored_files: list[str] = []  # checkpoints read, kept until the loop ends (deferred restores)
+        self.last_checkpoint: LoopCheckpoint | None = None  # what a drain notice saves
 
     def close(self) -> None:
         for folder in self.restored_files:
@@ -108,7 +113,19 @@ class OwnLoop:
     def checkpoint(self, trackables: dict[str, Any]) -> "LoopCheckpoint":
         if not trackables:
             raise ValueError("ctx.checkpoint(): name what to save, e.g. ctx.checkpoint(model=model, optimizer=optimizer)")
-        return LoopCheckpoint(tf.train.Checkpoint(**trackables), self.payload, self.ctx, self.restored_files)
+        self.last_checkpoint = LoopCheckpoint(tf.train.Checkpoint(**trackables), self.payload, self.ctx,
+                                              self.restored_files)
+        return self.last_checkpoint
+
+    def stop_here(self, step: int) -> None:
+        """The step a drain notice set: save the train_fn's checkpoint here (if it made one), then end it."""
+        saved, ckpt = None, self.last_checkpoint
+        if ckpt is not None and ckpt.storage is not None:
+            started = time.time()
+            if ckpt.saved_step != step:  # the train_fn may have saved this very step itself
+                ckpt.save(step)
+            saved = {"step": step, "seconds": round(time.time() - started, 3)}
+        raise StopTraining({"step": step, "saved": saved})
 
 
 class LoopCheckpoint:
@@ -120,6 +137,7 @@ class LoopCheckpoint:
         self.state, self.payload, self.ctx = state, payload, ctx
         self.restored_files = restored_files
         self.storage = Storage(payload.checkpoint_dir) if payload.checkpoint_dir else None
+        self.saved_step: int | None = None
 
     def restore(self) -> int | None:
         """The optimizer step of the checkpoint this attempt resumes from (a restart, or --resume), its state
@@ -145,6 +163,7 @@ class LoopCheckpoint:
         spe = self.ctx.steps_per_epoch
         epoch, in_epoch = (step // spe + 1, step % spe) if spe else (len(self.ctx.history) + 1, 0)
         history = list(self.ctx.history)
+        self.saved_step = step
         loop.write_state(self.state, self.storage, self.ctx, self.payload.spec.checkpoint.keep,
                          lambda local_dir: {"step": int(step), "epoch": epoch, "step_in_epoch": in_epoch,
                                             "history": history})

@@ -231,8 +231,9 @@ class ParameterServerRunner:
         self._totals = totals.copy() if totals is not None else np.zeros(sum(self.train_acc.sizes), np.float64)
         self._unreported = 0
 
-    def train(self, count: int, epoch: int) -> Iterator[Any]:
-        for fetched in _run_steps(self.coordinator, self._train_step, self._iterator, count, self._in_flight):
+    def train(self, count: int, epoch: int, stopping=lambda: False) -> Iterator[Any]:
+        for fetched in _run_steps(self.coordinator, self._train_step, self._iterator, count, self._in_flight,
+                                  stopping):
             if fetched is None:
                 self._unreported += 1
                 yield None
@@ -297,17 +298,18 @@ class ParameterServerRunner:
 IN_FLIGHT_PER_WORKER = 4  # scheduled steps not yet fetched, per worker: enough to keep every worker busy
 
 
-def _run_steps(coordinator, train_step, iterator, count: int, in_flight: int):
+def _run_steps(coordinator, train_step, iterator, count: int, in_flight: int, stopping=lambda: False):
     """Yield the metric deltas of `count` train steps, in order, with at most `in_flight` scheduled and
     not yet fetched. Fetching the oldest first is the progress; the window keeps a step that a dead
-    worker gave back (TF re-queues it at the end) from waiting behind a whole epoch of others."""
+    worker gave back (TF re-queues it at the end) from waiting behind a whole epoch of others.
+    Once `stopping()` is true nothing more is scheduled; the steps already scheduled still run and count."""
     scheduled = collections.deque()
     for _ in range(min(count, in_flight)):
         scheduled.append(coordinator.schedule(train_step, args=(iterator,)))
     left = count - len(scheduled)
     while scheduled:
         delta = _fetch(scheduled.popleft())
-        if left > 0:
+        if left > 0 and not stopping():
             scheduled.append(coordinator.schedule(train_step, args=(iterator,)))
             left -= 1
         yield delta

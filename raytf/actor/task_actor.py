@@ -109,6 +109,13 @@ class TaskActor:
         shutil.rmtree(self._staging, ignore_errors=True)
         return outcome
 
+    def stop_at(self, step: int) -> dict[str, Any]:
+        """A drain notice: stop training after optimizer step `step` and checkpoint there (answered while
+        train runs, like progress). {"accepted": ..., "step": the last step this task finished}."""
+        if self._ctx is None:
+            return {"accepted": False, "step": 0}
+        return self._ctx.request_stop(step)
+
     def progress(self) -> dict[str, Any]:
         return self._ctx.progress() if self._ctx else {"phase": "starting", "updated": time.time()}
 

@@ -99,7 +99,8 @@ def worker_bundle(cluster: "ClusterSpec") -> dict[str, float]:
     """A worker's bundle. Zero-valued resources are left out, and an empty bundle gets a sliver of CPU:
     Ray rejects empty ones."""
     bundle = {k: v for k, v in {"CPU": cluster.cpus_per_worker, "GPU": cluster.gpus_per_worker}.items() if v > 0}
-    return bundle or {"CPU": 0.001}
+    bundle = bundle or {"CPU": 0.001}
+    return {**bundle, **cluster.resources_per_worker}
 
 
 def nearest_multiples(value: int, divisor: int) -> str:

@@ -27,9 +27,11 @@ from raytf.driver.policy import (
     ReplacementPolicy,
     RestartPolicy,
     ScalingPolicy,
+    checkpoint_fits,
     elastic_batch,
     peer_grace_s,
     stalled,
+    stop_step,
 )
 from raytf.driver import stragglers
 from raytf.driver.report import ProgressDisplay, Result, summary_table, worker_lines, write_artifacts
@@ -141,6 +143,28 @@ class _Attempt:
     replacing: list[_Replacement] = dataclasses.field(default_factory=list)
     replacements: ReplacementPolicy | None = None
     standby_armed: bool = False
+    drain_checked_at: float = 0.0
+    notice: "_DrainNotice | None" = None  # a node of this attempt is draining
+    last_step: int = 0  # the furthest optimizer step any rank reported
+
+
+@dataclasses.dataclass
+class _DrainNotice:
+    """A node of the attempt is draining: when raytf saw it, its deadline, and the step every loop-running
+    rank was asked to stop and checkpoint at (None: none asked, the attempt goes on until the node goes)."""
+
+    node_id: str
+    node_ip: str
+    ranks: list[int]  # the tasks on that node
+    seen_at: float
+    deadline: float | None  # epoch seconds; None: no deadline given
+    stop_step: int | None = None
+
+    def details(self, now: float, saved_step: int | None) -> dict[str, Any]:
+        left = None if self.deadline is None else round(self.deadline - self.seen_at, 3)
+        return {"node_id": self.node_id, "node_ip": self.node_ip, "deadline": self.deadline,
+                "deadline_s_after_notice": left, "step_saved": saved_step,
+                "notice_to_checkpoint_s": round(now - self.seen_at, 3) if saved_step is not None else None}
 
 
 class Controller:
@@ -170,6 +194,7 @@ class Controller:
         self.error: BaseException | None = None
         self._phase_started = self.started
         self._rate = _Rate()
+        self._checkpoint_s: float | None = None  # how long the last checkpoint-now took
 
     # ---------------------------------------------------------------- driving
 
@@ -205,6 +230,10 @@ class Controller:
         self._phase_started = self.clock.now()
         workers = spec.cluster.workers
         if self.given_pg is None:
+            if self.pg is not None and self.decisions and self.decisions[-1]["kind"] == "preempted":
+                # a bundle of it is on the draining node, which Ray will not schedule on again
+                self.resources.release(self.pg)
+                self.pg = None
             if self.pg is not None and not self.resources.ready_again(self.pg, spec.cluster.reserve_timeout_s):
                 self.display.message("raytf: the placement group did not come back in time; reserving anew")
                 self.resources.release(self.pg)
@@ -222,8 +251,10 @@ class Controller:
         self.result.workers = attempt_spec.cluster.workers
         self.result.batch = elastic_batch(spec, workers).to_dict()
         if self.decisions:
-            self.decisions[-1].update(resumed_from_step=resume_from.step if resume_from else 0, workers=workers,
-                                      batch=self.result.batch)
+            resumed = resume_from.step if resume_from else 0
+            last = self.decisions[-1].pop("last_step", None)
+            self.decisions[-1].update(resumed_from_step=resumed, workers=workers, batch=self.result.batch,
+                                      steps_lost=max(0, last - resumed) if last is not None else None)
         self._phase("reserve_s")
         self.state = STARTING
 
@@ -306,6 +337,9 @@ class Controller:
                     marker = (p.get("phase"), p.get("global_step"))
                     if marker != a.progress_seen[rank][0]:
                         a.progress_seen[rank] = (marker, now)
+            a.last_step = max([a.last_step] + [p.get("global_step", 0) for p in progress if p])
+            if self._watch_drains(progress, now):
+                return  # the attempt ended for a drained node
             hung = stalled({r: seen for r, (_, seen) in a.progress_seen.items() if r not in a.outcomes}, now,
                            hang_timeout_s)
             if hung:
@@ -339,6 +373,11 @@ class Controller:
         (a.awaited if awaited else a.side).remove(finished.handle)
         if finished.error is None:
             a.outcomes[task.rank] = finished.outcome
+            if "preempted" in finished.outcome:  # stopped for a drain notice, its checkpoint written
+                if task.rank == 0:  # the chief uploads the checkpoint: once it returns, it is there
+                    self._end_preempted(finished.outcome["preempted"])
+                    return True
+                return False
             if all(rank in a.outcomes for rank in a.progress_seen):  # side-cars (an evaluator) may go on
                 a.training_done_at = self.clock.now()
             return False
@@ -395,9 +434,96 @@ class Controller:
                                   else f"could not be brought back ({replacement.error})"))
 
     def _attempt_failed(self, failure: Failure, nodes: list[str] | None = None) -> None:
+        a = self.attempt
+        notice = a.notice if a is not None else None
+        if notice is not None and failure.kind != "preempted":  # the drained node went before a checkpoint
+            message = (f"node {notice.node_ip} was draining and {failure.message}; the checkpoint-now did not "
+                       f"finish, so the job goes back to its last checkpoint")
+            failure = Failure("preempted", message, tuple(notice.ranks), {message: notice.ranks},
+                              {**notice.details(self.clock.now(), None), "cause": failure.message})
+            nodes = [notice.node_ip]
+        failure.details.setdefault("last_step", a.last_step if a is not None else 0)
         self._stop_group()
         self.failure = (failure, nodes or [])
         self.state = RESTARTING
+
+    # ---------------------------------------------------------------- preemption
+
+    def _watch_drains(self, progress: list[dict[str, Any] | None], now: float) -> bool:
+        """Ask Ray's GCS (every Limits.drain_check_s) whether a node of this attempt is draining; on the first
+        such notice, have every loop-running rank stop at one common step and checkpoint there. While that
+        goes on, give up on it once the deadline (or Limits.preempt_wait_s) has passed. True: the attempt ended."""
+        a, spec = self.attempt, self.spec
+        if not spec.failure.preemption:
+            return False
+        if a.notice is not None:
+            limit = a.notice.deadline if a.notice.deadline is not None else a.notice.seen_at + self.limits.preempt_wait_s
+            if a.notice.stop_step is not None and now > limit:
+                self._fall_back(f"the checkpoint at step {a.notice.stop_step} did not finish before "
+                                + ("the node's deadline" if a.notice.deadline is not None else
+                                   f"{self.limits.preempt_wait_s:g}s (Limits.preempt_wait_s)"))
+                return True
+            return False
+        if now - a.drain_checked_at < self.limits.drain_check_s:
+            return False
+        a.drain_checked_at = now
+        draining = self.resources.draining()
+        on_drained = [t for t in a.tasks if t.node_id in draining]
+        if not on_drained:
+            return False
+        node = on_drained[0].node_id
+        a.notice = notice = _DrainNotice(node, on_drained[0].node_ip, [t.rank for t in a.tasks if t.node_id == node],
+                                         now, draining[node])
+        when = "no deadline" if notice.deadline is None else f"deadline in {notice.deadline - now:.0f}s"
+        said = f"raytf: node {notice.node_ip} ({self.backend.who(notice.ranks)}) is draining ({when})"
+        if self.storage is None:
+            self.display.message(f"{said}; there is no checkpoint.dir to save to, so training goes on until the "
+                                 f"node goes")
+            return False
+        loop_ranks = sorted(a.progress_seen)
+        checkpoint_s = max([p.get("checkpoint_s", 0.0) for p in progress if p] + [self._checkpoint_s or 0.0]) or None
+        seconds_left = None if notice.deadline is None else notice.deadline - now
+        margin_s = self.limits.preempt_margin_s
+        if not checkpoint_fits(seconds_left, checkpoint_s, margin_s):
+            self._fall_back(f"{seconds_left:.1f}s left is too short for a checkpoint (the last took "
+                            f"{checkpoint_s:.1f}s)", said)
+            return True
+        steps = [progress[r]["global_step"] for r in loop_ranks if progress[r] is not None]
+        rate = self._rate.value
+        target = stop_step(steps, rate / spec.train.effective_batch_size if rate else None, margin_s)
+        answers = a.group.stop_at(loop_ranks, target, self.limits.progress_timeout_s)
+        refused = [r for r, answer in zip(loop_ranks, answers) if not (answer and answer["accepted"])]
+        if refused:
+            self._fall_back(f"{self.backend.who(refused)} could not stop at step {target} (already past it, or no "
+                            f"answer)", said)
+            return True
+        notice.stop_step = target
+        self.display.message(f"{said}: every worker stops at step {target} and checkpoints there")
+        return False
+
+    def _end_preempted(self, stopped: dict[str, Any]) -> None:
+        """The chief stopped for the drain notice (its checkpoint written, if it could be): end the attempt."""
+        a, now = self.attempt, self.clock.now()
+        notice = a.notice
+        saved = stopped.get("saved")
+        if saved:
+            self._checkpoint_s = saved["seconds"]
+        step = saved["step"] if saved else None
+        message = (f"node {notice.node_ip} is draining: " + (f"checkpoint at step {step}" if saved else
+                                                             "no checkpoint could be written (the train_fn made none)"))
+        details = {**notice.details(now, step), "last_step": stopped["step"]}
+        self._attempt_failed(Failure("preempted", message, tuple(notice.ranks), {message: notice.ranks}, details),
+                             [notice.node_ip])
+
+    def _fall_back(self, why: str, said: str | None = None) -> None:
+        """A drain notice whose checkpoint-now cannot be had: end the attempt now, back to the last checkpoint."""
+        notice = self.attempt.notice
+        if said:
+            self.display.message(f"{said}: {why}; going back to the last checkpoint")
+        message = f"node {notice.node_ip} is draining: {why}"
+        self._attempt_failed(Failure("preempted", message, tuple(notice.ranks), {message: notice.ranks},
+                                     notice.details(self.clock.now(), None)), [notice.node_ip])
+
 
     def _decide(self) -> None:
         failure, nodes = self.failure
@@ -414,7 +540,8 @@ class Controller:
         now = self.clock.now()
         self.decisions.append({"at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(now)), "time": round(now, 3),
                                "kind": failure.kind, "reason": failure.message, "ranks": list(failure.ranks),
-                               "nodes": nodes, "resumed_from_step": None, "charged": decision.charged})
+                               "nodes": nodes, "resumed_from_step": None, "charged": decision.charged,
+                               **failure.details})
         self.display.message(f"raytf: attempt failed: {failure.message}; {decision.reason}")
         self.state = PLACING
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-Kind = Literal["actor_died", "hang", "collective", "io", "startup", "checkpoint", "error"]
+Kind = Literal["actor_died", "hang", "collective", "io", "startup", "checkpoint", "preempted", "error"]
 
 # Infrastructure trouble is worth a restart; an error in the user's code would only repeat.
 RESTARTABLE: frozenset[str] = frozenset({"actor_died", "hang", "collective", "io", "startup", "checkpoint"})
@@ -33,6 +33,7 @@ class Failure:
     message: str  # root cause first, then the others grouped
     ranks: tuple[int, ...]  # the ranks of the root cause
     causes: dict  # message -> ranks, root cause first
+    details: dict = dataclasses.field(default_factory=dict)  # more for result.json's restart entry
 
 
 def classify(type_name: str, message: str, actor_died: bool = False) -> Kind:
@@ -47,7 +48,8 @@ def classify(type_name: str, message: str, actor_died: bool = False) -> Kind:
     return "error"
 
 
-_ROOT_ORDER = {"actor_died": 0, "hang": 1, "startup": 2, "checkpoint": 3, "error": 4, "io": 5, "collective": 6}
+_ROOT_ORDER = {"actor_died": 0, "hang": 1, "startup": 2, "checkpoint": 3, "error": 4, "io": 5, "collective": 6,
+               "preempted": 7}
 
 
 def aggregate(errors: list[RankError]) -> Failure:

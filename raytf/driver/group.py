@@ -44,6 +44,9 @@ class WorkerGroup(Protocol):
     def wait(self, handles: list[Any], timeout_s: float) -> list[Finished]: ...  # those done, maybe none
     def progress(self, timeout_s: float) -> list[dict[str, Any] | None]: ...  # by rank; None: no answer
     def replace(self, task: "Task", payload: "WorkerPayload", timeout_s: float) -> Any: ...  # a new handle
+    # A drain notice: these ranks stop after optimizer step `step` and checkpoint there. By rank, each
+    # {"accepted": bool, "step": the last step it finished}, or None where it did not answer in time.
+    def stop_at(self, ranks: list[int], step: int, timeout_s: float) -> list[dict[str, Any] | None]: ...
     def stop(self) -> None: ...
 
 
@@ -59,5 +62,6 @@ class Resources(Protocol):
     def fill_standby(self, pg: Any, env: dict[str, Any], tasks: "list[Task]", job: str = "") -> None: ...
     def take_standby(self, pg: Any, count: int) -> dict[int, Any]: ...
     def release_standby(self) -> None: ...
+    def draining(self) -> dict[str, float | None]: ...  # node id -> its deadline (epoch s; None: none given)
 
 

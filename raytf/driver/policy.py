@@ -4,6 +4,7 @@ and return what to do. Every number the controller acts on is named in `Limits`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING, Literal
 
 from raytf.driver import failure as failure_lib
@@ -25,6 +26,9 @@ class Limits:
     elastic_reserve_timeout_s: float = 10.0  # after the full size did not fit: how long each smaller size may take
     replacements_per_worker: int = 2  # parameter servers: new actors for dead workers, per worker, per attempt
     standby_check_s: float = 1.0  # how long a warm standby may take to answer before it is let go
+    drain_check_s: float = 1.0  # how often Ray's GCS is asked which nodes are draining
+    preempt_margin_s: float = 1.0  # training time allowed for a "stop at step S" to reach every worker
+    preempt_wait_s: float = 120.0  # a drain without a deadline: how long the checkpoint-now may take
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +52,8 @@ class RestartPolicy:
     def decide(self, failure: Failure, charged_so_far: int) -> Decision:
         if failure.kind == "checkpoint":  # not the workers' fault
             return Decision("restart", "falling back to the previous checkpoint", charged=False)
+        if failure.kind == "preempted":  # nor is a node taken away
+            return Decision("restart", "a preemption is not counted against failure.max_restarts", charged=False)
         if failure.kind not in failure_lib.RESTARTABLE:
             return Decision("raise", f"{failure.kind} in the job's own code: a restart would repeat it")
         if charged_so_far >= self.max_restarts:
@@ -120,6 +126,22 @@ class ReplacementPolicy:
             return False
         self.left -= 1
         return True
+
+
+def stop_step(steps: list[int], steps_per_s: float | None, margin_s: float) -> int:
+    """The step every loop-running rank stops at after a drain notice: past the furthest rank by the steps
+    that run while the request travels (`margin_s` of training at the measured rate; at least 2)."""
+    ahead = max(2, math.ceil(steps_per_s * margin_s)) if steps_per_s else 10
+    return max(steps, default=0) + ahead
+
+
+def checkpoint_fits(seconds_left: float | None, checkpoint_s: float | None, margin_s: float) -> bool:
+    """Whether a checkpoint-now can finish before the node goes: the steps to the common stop, the save
+    (as long as the last one took, twice over), and a second for the attempt to end. No deadline, or no
+    save measured yet: try."""
+    if seconds_left is None or checkpoint_s is None:
+        return True
+    return seconds_left > margin_s + 2 * checkpoint_s + 1.0
 
 
 def stalled(last_progress_at: dict[int, float], now: float, hang_timeout_s: float) -> list[int]:

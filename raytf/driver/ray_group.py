@@ -197,6 +197,17 @@ class RayWorkerGroup:
                 out.append(None)
         return out
 
+    def stop_at(self, ranks: list[int], step: int, timeout_s: float) -> list[dict[str, Any] | None]:
+        refs = [self._by_rank[r].stop_at.remote(step) for r in ranks]
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0])
+        out: list[dict[str, Any] | None] = []
+        for ref in refs:
+            try:
+                out.append(ray.get(ref) if ref in ready else None)
+            except Exception:
+                out.append(None)
+        return out
+
     def stop(self) -> None:
         with self._lock:
             self._stopped = True
@@ -286,3 +297,15 @@ class RayResources:
         for actor, _, _ in self._standby.values():
             kill(actor)
         self._standby = {}
+
+    def draining(self) -> dict[str, float | None]:
+        """The nodes Ray's GCS marks as draining (`ray drain-node`, the autoscaler, a cloud's preemption
+        notice), each with its deadline. Ray keeps this behind a private accessor; should it move, raytf
+        sees no drains (and a preempted node is handled as a lost one)."""
+        try:
+            from ray._private.state import state
+
+            nodes = state.get_draining_nodes()
+        except Exception:
+            return {}
+        return {node: (deadline_ms / 1000.0 if deadline_ms else None) for node, deadline_ms in nodes.items()}
