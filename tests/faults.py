@@ -98,3 +98,52 @@ def an_extra_node(cluster):
     finally:
         if extra in c.worker_nodes:
             c.remove_node(extra)
+
+
+class AtSteps:
+    """Makes a WorkerGroup class whose attempt runs each of `actions` [(at_step, action(group))] once the
+    watched rank's global step has reached at_step, in order (on the attempts listed, 1-based)."""
+
+    def __init__(self, actions, attempts: set[int] | None = frozenset({1}), watch: int = 0):
+        self.actions, self.attempts, self.watch = list(actions), attempts, watch
+        self.done: list[tuple[int, int, float]] = []  # (at_step, the step seen when it ran, time)
+        self.attempt = 0
+        trigger = self
+
+        class TriggeringGroup(RayWorkerGroup):
+            def train(self, payload):
+                refs = super().train(payload)
+                trigger.attempt += 1
+                if trigger.attempts is None or trigger.attempt in trigger.attempts:
+                    threading.Thread(target=trigger._watch, args=(self,), daemon=True).start()
+                return refs
+
+        self.group_cls = TriggeringGroup
+
+    def _watch(self, group: RayWorkerGroup) -> None:
+        watched = group._by_rank[self.watch]
+        pending = list(self.actions)
+        deadline = time.time() + 120
+        while pending and time.time() < deadline:
+            try:
+                step = ray.get(watched.progress.remote(), timeout=5).get("global_step", 0)
+            except Exception:
+                return  # the attempt ended some other way
+            while pending and step >= pending[0][0]:
+                at_step, action = pending.pop(0)
+                action(group)
+                self.done.append((at_step, step, time.time()))
+            time.sleep(0.02)
+
+
+def drain(node_id: str, deadline_s: float | None = None, reason: str = "PREEMPTION") -> None:
+    """What `ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION [--deadline-remaining-seconds N]` (or a cloud
+    autoscaler's preemption notice) does: the GCS marks the node draining; its raylet exits once idle."""
+    from ray._private.worker import global_worker
+    from ray.core.generated import autoscaler_pb2
+
+    deadline_ms = int((time.time() + deadline_s) * 1000) if deadline_s else 0
+    accepted, why = global_worker.gcs_client.drain_node(
+        node_id, autoscaler_pb2.DrainNodeReason.Value(f"DRAIN_NODE_REASON_{reason}"), "spot instance reclaimed",
+        deadline_ms)
+    assert accepted, why

@@ -252,7 +252,7 @@ class Controller:
         self.result.batch = elastic_batch(spec, workers).to_dict()
         if self.decisions:
             resumed = resume_from.step if resume_from else 0
-            last = self.decisions[-1].pop("last_step", None)
+            last = self.decisions[-1].get("last_step")
             self.decisions[-1].update(resumed_from_step=resumed, workers=workers, batch=self.result.batch,
                                       steps_lost=max(0, last - resumed) if last is not None else None)
         self._phase("reserve_s")
