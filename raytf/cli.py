@@ -253,5 +253,17 @@ def stop(job_id: str, address: str | None, timeout_s: float) -> None:
     _jobs_command(body)
 
 
+@main.command("spot-watch")
+@click.option("--interval", default=5.0, show_default=True, help="Seconds between looks at the instance metadata.")
+@click.option("--imds", default="http://169.254.169.254", show_default=True, help="The instance metadata service.")
+def spot_watch(interval: float, imds: str) -> None:
+    """On an EC2 Spot node: drain this Ray node when AWS announces its interruption (cluster.yaml starts it),
+    so raytf jobs checkpoint before the node goes."""
+    from raytf import spot_watch as watcher
+
+    with _exit_on_error("raytf spot-watch: stopped"):
+        watcher.watch(imds, interval, log=lambda line: click.echo(line, err=True))
+
+
 if __name__ == "__main__":
     main()

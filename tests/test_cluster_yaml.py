@@ -31,7 +31,11 @@ def test_cluster_yaml_passes_rays_schema(config):
     assert head["resources"].get("GPU", 0) == 0  # a CPU head
     gpu_types = [t for t in types.values() if t["resources"].get("GPU", 0) > 0]
     cpu_types = [name for name, t in types.items() if t["resources"].get("GPU", 0) == 0 and name != config["head_node_type"]]
-    assert len(gpu_types) == 1 and gpu_types[0]["node_config"]["InstanceType"].startswith("g5.")
+    assert len(gpu_types) == 2 and all(t["node_config"]["InstanceType"].startswith("g5.") for t in gpu_types)
+    on_demand, spot = sorted(gpu_types, key=lambda t: "InstanceMarketOptions" in t["node_config"])
+    assert spot["node_config"]["InstanceMarketOptions"]["MarketType"] == "spot" and spot["resources"]["spot"] == 1
+    assert "spot" not in on_demand["resources"]
+    assert any("raytf spot-watch" in c for c in spot["worker_setup_commands"])  # the notice becomes a drain
     assert cpu_types, "a CPU-only worker type for parameter-server tasks"
     for t in (*gpu_types, *(types[n] for n in cpu_types)):
         assert 0 <= t["min_workers"] <= t["max_workers"] <= config["max_workers"]
