@@ -158,12 +158,14 @@ class _DrainNotice:
     ranks: list[int]  # the tasks on that node
     seen_at: float
     deadline: float | None  # epoch seconds; None: no deadline given
+    step_at_notice: int = 0  # the furthest rank's step when raytf saw the notice
     stop_step: int | None = None
 
     def details(self, now: float, saved_step: int | None) -> dict[str, Any]:
         left = None if self.deadline is None else round(self.deadline - self.seen_at, 3)
         return {"node_id": self.node_id, "node_ip": self.node_ip, "deadline": self.deadline,
-                "deadline_s_after_notice": left, "step_saved": saved_step,
+                "deadline_s_after_notice": left, "step_at_notice": self.step_at_notice, "stop_step": self.stop_step,
+                "step_saved": saved_step,
                 "notice_to_checkpoint_s": round(now - self.seen_at, 3) if saved_step is not None else None}
 
 
@@ -473,7 +475,7 @@ class Controller:
             return False
         node = on_drained[0].node_id
         a.notice = notice = _DrainNotice(node, on_drained[0].node_ip, [t.rank for t in a.tasks if t.node_id == node],
-                                         now, draining[node])
+                                         now, draining[node], a.last_step)
         when = "no deadline" if notice.deadline is None else f"deadline in {notice.deadline - now:.0f}s"
         said = f"raytf: node {notice.node_ip} ({self.backend.who(notice.ranks)}) is draining ({when})"
         if self.storage is None:

@@ -252,8 +252,19 @@ class RayResources:
         return placement.reserve(bundles, strategy, timeout_s, name=name)
 
     def ready_again(self, pg, timeout_s: float) -> bool:
+        """Ready, and every bundle on a node Ray counts as alive: a bundle whose node just died still names
+        that node until Ray moves it, and an actor created in it then dies at once (a wasted restart)."""
+        deadline = time.monotonic() + timeout_s
         ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
-        return bool(ready)
+        while ready:
+            alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+            table = ray.util.placement_group_table(pg)
+            if table["state"] == "CREATED" and set(table["bundles_to_node_id"].values()) <= alive:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)
+        return False
 
     def release(self, pg) -> None:
         placement.release(pg)
