@@ -43,6 +43,8 @@ def job_file(work: Path, name: str) -> Path:
 
 
 def one_run(cluster, how: str, work: Path) -> dict:
+    import ray
+
     from raytf.driver.controller import run
     from raytf.spec import load
     from tests.faults import AtSteps, drain
@@ -54,7 +56,8 @@ def one_run(cluster, how: str, work: Path) -> dict:
         node = group.tasks[1].node_id
         if how == "drained":
             drain(node, deadline_s=30)
-        else:
+        else:  # everything on the node dies at once: its TF process first (a node's teardown takes seconds)
+            ray.kill(group._by_rank[1], no_restart=True)
             cluster.remove_node(by_id[node], allow_graceful=False)
 
     trigger = AtSteps([(AT, event)])
@@ -73,7 +76,7 @@ def one_run(cluster, how: str, work: Path) -> dict:
             "step_at_notice": restart.get("step_at_notice"), "stop_step": restart.get("stop_step"),
             # training stopped: at the kill; for the drain, once the checkpoint at the common step was written
             # (the steps between notice and stop were trained, not lost)
-            "notice_to_checkpoint_s": restart.get("notice_to_checkpoint_s"),
+            "notice_to_checkpoint_s": restart.get("notice_to_checkpoint_s"), "checkpoint_s": restart.get("checkpoint_s"),
             "recovery_s": round(last["first_step_at"] - (restart["time"] if how == "drained" else at), 2),
             "wall_s": round(time.time() - started, 1),
             "kind": restart["kind"], "restarts": len(result.restarts), "charged": how == "killed",

@@ -163,7 +163,7 @@ class FakeGroup:
             if h.script.hang_after is not None:
                 running = min(running, h.script.hang_after)
             out.append({"phase": "train", "global_step": int(running * h.script.steps_per_s), "epochs": [],
-                        "updated": now, **({"checkpoint_s": h.script.checkpoint_s} if h.script.checkpoint_s else {})})
+                        "updated": now, "steps_per_s": h.script.steps_per_s, **({"checkpoint_s": h.script.checkpoint_s} if h.script.checkpoint_s else {})})
         return out
 
     def stop_at(self, ranks: list[int], step: int, timeout_s: float) -> list[dict[str, Any] | None]:

@@ -266,6 +266,7 @@ def test_a_drained_node_stops_every_worker_at_one_step_checkpoints_and_restarts_
     restart, = result.restarts
     assert restart["kind"] == "preempted" and restart["node_id"] == "node-1" and restart["ranks"] == [1]
     assert restart["step_saved"] == step and restart["resumed_from_step"] == step and restart["steps_lost"] == 0
+    assert step == restart["stop_step"] == restart["step_at_notice"] + 5  # half a second at 10 steps/s
     assert restart["deadline"] == t0 + 36.0 and 29 <= restart["deadline_s_after_notice"] <= 30
     assert 0 < restart["notice_to_checkpoint_s"] < 30
     assert world.payloads[-1].resume_from.step == step == storage.latest().step
@@ -309,8 +310,11 @@ def test_a_rank_already_past_the_stop_step_falls_back_and_the_node_going_first_i
     assert restart["kind"] == "preempted" and "rank(s) [1] could not stop at step" in restart["reason"]
     assert restart["step_saved"] is None and restart["steps_lost"] > 0  # back to the start: no checkpoint yet
 
-    def dies(attempt, task):  # the node goes before the step is reached
-        return Script(fail_after=7.0, error=actor_died()) if attempt == 1 and task.rank == 1 else Script(finish_after=30)
+    def dies(attempt, task):  # the node goes before the step is reached (1 step/s: the stop is >= 2 s away)
+        if attempt == 1:
+            return Script(fail_after=7.5, error=actor_died(), steps_per_s=1.0) if task.rank == 1 else \
+                Script(finish_after=30, steps_per_s=1.0)
+        return Script(finish_after=30)
 
     c, world, clock = make(tmp_path / "2", dies, preemptible(tmp_path / "2"), nodes=3)
     world.drains = [(clock.now() + 6.0, "node-1", clock.now() + 8.0)]

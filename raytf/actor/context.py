@@ -76,7 +76,7 @@ class TaskContext:
         self._payload = payload
         self._lock = threading.Lock()
         self._report_interval_s = report_interval_s
-        self._last_report = 0.0
+        self._last_report = (0.0, 0)  # (when, global step) of the last full progress report
         self._progress: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "phase": "starting", "global_step": 0,
                                           "updated": time.time()}
         self.first_step_at: float | None = None
@@ -84,6 +84,7 @@ class TaskContext:
         self._epochs: list[dict[str, Any]] = []
         self._evaluations: list[dict[str, Any]] = []
         self._stop_at: int | None = None  # a drain notice: the step the loop stops and checkpoints at
+        self.stop_requested_at: float | None = None
         self._last_step = 0  # the last step the loop finished, as stop_due saw it
 
     # -- a drain notice (raytf.driver.controller): every loop-running rank stops at one common step
@@ -94,7 +95,7 @@ class TaskContext:
         with self._lock:
             accepted = step > self._last_step
             if accepted:
-                self._stop_at = step
+                self._stop_at, self.stop_requested_at = step, time.time()
             return {"accepted": accepted, "step": self._last_step}
 
     def stop_due(self, step: int) -> bool:
@@ -118,15 +119,18 @@ class TaskContext:
         self.global_step = global_step
         if self.first_step_at is None:
             self.first_step_at = now
-        if now - self._last_report < self._report_interval_s and step != steps:
+        if now - self._last_report[0] < self._report_interval_s and step != steps:
             with self._lock:
                 self._progress["global_step"], self._progress["updated"] = global_step, now
             return
-        self._last_report = now
+        (then, step_then), self._last_report = self._last_report, (now, global_step)
+        rate = (global_step - step_then) / (now - then) if then and now > then else None
         with self._lock:
             self._progress.update(phase="train", epoch=epoch, step=step, steps=steps, global_step=global_step,
                                   loss=float("nan") if loss is None else float(loss),
                                   examples_seen=examples * global_step, updated=now)
+            if rate is not None:
+                self._progress["steps_per_s"] = round(rate, 2)  # since the last report: a drain's stop step
 
     def phase(self, name: str) -> None:
         """A named stretch of work (validating, checkpointing, restoring): progress for the hang watchdog."""

@@ -118,13 +118,14 @@ def stopped(runner: Runner, checkpoints: "Checkpoints", ctx: TaskContext, global
             history: list, position: Position) -> dict[str, Any]:
     """The loop stopped at the step a drain notice set: checkpoint there (a mid-epoch checkpoint, its metric
     sums included; at an epoch's last step too, so the resumed attempt ends that epoch), and return."""
-    saved = None
+    saved, reached = None, time.time()
     if checkpoints.enabled:
         runner.sync_state()
         started = time.time()
         checkpoints.save(global_step, epoch, step, history, runner.epoch_totals())
         saved = {"step": global_step, "seconds": round(time.time() - started, 3)}
-    return {"preempted": {"step": global_step, "saved": saved}, "history": history, "steps": global_step,
+    return {"preempted": {"step": global_step, "saved": saved, "request_to_step_s": round(reached - ctx.stop_requested_at, 3)},
+            "history": history, "steps": global_step,
             "steps_run": global_step - position.global_step}
 
 

@@ -490,9 +490,9 @@ class Controller:
             self._fall_back(f"{seconds_left:.1f}s left is too short for a checkpoint (the last took "
                             f"{checkpoint_s:.1f}s)", said)
             return True
-        steps = [progress[r]["global_step"] for r in loop_ranks if progress[r] is not None]
-        rate = self._rate.value
-        target = stop_step(steps, rate / spec.train.effective_batch_size if rate else None, margin_s)
+        answered = [progress[r] for r in loop_ranks if progress[r] is not None]
+        rates = [p["steps_per_s"] for p in answered if p.get("steps_per_s")]
+        target = stop_step([p.get("global_step", 0) for p in answered], max(rates, default=None), margin_s)
         answers = a.group.stop_at(loop_ranks, target, self.limits.progress_timeout_s)
         refused = [r for r, answer in zip(loop_ranks, answers) if not (answer and answer["accepted"])]
         if refused:
@@ -513,7 +513,9 @@ class Controller:
         step = saved["step"] if saved else None
         message = (f"node {notice.node_ip} is draining: " + (f"checkpoint at step {step}" if saved else
                                                              "no checkpoint could be written (the train_fn made none)"))
-        details = {**notice.details(now, step), "last_step": stopped["step"]}
+        details = {**notice.details(now, step), "last_step": stopped["step"],
+                   "checkpoint_s": saved["seconds"] if saved else None,
+                   "request_to_step_s": stopped.get("request_to_step_s")}  # the chief's, to the stop step
         self._attempt_failed(Failure("preempted", message, tuple(notice.ranks), {message: notice.ranks}, details),
                              [notice.node_ip])
 
@@ -525,7 +527,6 @@ class Controller:
         message = f"node {notice.node_ip} is draining: {why}"
         self._attempt_failed(Failure("preempted", message, tuple(notice.ranks), {message: notice.ranks},
                                      notice.details(self.clock.now(), None)), [notice.node_ip])
-
 
     def _decide(self) -> None:
         failure, nodes = self.failure
