@@ -331,6 +331,17 @@ def test_without_a_checkpoint_dir_a_drain_is_only_reported(tmp_path):
     assert result.restarts == [] and world.stop_requests == []
 
 
+def test_a_512_rank_attempt_steps_through_to_done(tmp_path):
+    """64 nodes x 8 GPUs' worth of workers (benchmarks/bench_scale.py times it): one attempt, every rank placed,
+    named and reported, well under a second."""
+    job = make_job(tmp_path, train={"global_batch_size": 512 * 8},
+                   cluster={"workers": 512, "cpus_per_worker": 1, "gpus_per_worker": 1, "reserve_timeout_s": 60})
+    c, world, _ = make(tmp_path, lambda attempt, task: Script(finish_after=20.0), job)
+    result = run_fast(c)
+    assert result.status == "succeeded" and [t["rank"] for t in result.tasks] == list(range(512))
+    assert len({t["address"] for t in result.tasks}) == 512 and len(set(world.groups[0].names.values())) == 512
+
+
 def test_the_driver_side_imports_neither_ray_nor_tensorflow():
     """The controller, the policies, the backends and the spec in a fresh interpreter."""
     code = textwrap.dedent("""

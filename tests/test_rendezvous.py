@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from raytf.rendezvous import ActorReport, assign_ranks, assign_roles, cluster_spec, placed, tf_config
+from raytf.rendezvous import ActorReport, assign_ranks, assign_roles, cluster_spec, placed, tf_config, tf_configs
 
 
 def report(bundle, node, port=1000, gpus=(), ip=None):
@@ -75,3 +75,27 @@ def test_parameter_server_roles_follow_bundle_order_and_the_evaluator_stays_out_
         assign_roles(reports[:2], roles[:3])
     with pytest.raises(ValueError, match="first bundle must be the one chief"):
         assign_roles(reports[:2], ["ps", "chief"])
+
+
+def test_a_64_node_by_8_gpu_placement_plans_512_ranks_node_by_node():
+    """The scale of `benchmarks/bench_scale.py`: nodes in no particular order, 8 bundles each."""
+    import random
+
+    order = list(range(64))
+    random.Random(1).shuffle(order)
+    bundle_nodes = {i: f"node-{order[i // 8]:02d}" for i in range(512)}
+    ip = {f"node-{n:02d}": f"10.0.{n}.1" for n in range(64)}
+    reports = [ActorReport(bundle_index=i, node_id=n, node_ip=ip[n], port=20000 + i) for i, n in bundle_nodes.items()]
+    random.Random(2).shuffle(reports)  # as they report in
+    tasks = assign_ranks(reports)
+    planned = assign_ranks(placed(bundle_nodes))
+    assert [(t.rank, t.bundle_index) for t in tasks] == [(t.rank, t.bundle_index) for t in planned]
+    assert tasks[0].bundle_index == 0
+    for node in set(bundle_nodes.values()):  # each node's 8 ranks are adjacent
+        ranks = sorted(t.rank for t in tasks if t.node_id == node)
+        assert ranks == list(range(ranks[0], ranks[0] + 8))
+    configs = tf_configs(tasks)
+    assert configs == [tf_config(tasks, t) for t in tasks]
+    workers = json.loads(configs[511])["cluster"]["worker"]
+    assert len(set(workers)) == 512 and workers == [t.address for t in tasks]
+    assert json.loads(configs[511])["task"] == {"type": "worker", "index": 511}

@@ -16,7 +16,7 @@ from raytf.actor.task_actor import TaskActor
 from raytf.driver import placement
 from raytf.driver.group import Finished, TaskError
 from raytf.errors import PortTaken, WorkerStartupError
-from raytf.rendezvous import ActorReport, Task, task_name, tf_config
+from raytf.rendezvous import ActorReport, Task, task_name, tf_config, tf_configs
 
 _RemoteTaskActor = ray.remote(TaskActor)
 
@@ -135,7 +135,8 @@ class RayWorkerGroup:
     def setup(self, tasks: list[Task], payload: WorkerPayload, timeout_s: float) -> list[dict[str, Any]]:
         self.tasks = tasks
         self._by_rank = [self.actors[t.bundle_index] for t in tasks]
-        refs = [a.setup.remote(t, tf_config(tasks, t), len(tasks), payload) for a, t in zip(self._by_rank, tasks)]
+        refs = [a.setup.remote(t, config, len(tasks), payload)
+                for a, t, config in zip(self._by_rank, tasks, tf_configs(tasks))]
         return self._get(refs, timeout_s, "start TensorFlow", [f"rank {t.rank}" for t in tasks])
 
     def replace(self, task: Task, payload: WorkerPayload, timeout_s: float) -> ray.ObjectRef:
