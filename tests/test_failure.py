@@ -89,3 +89,19 @@ def test_error_summaries_keep_the_line_that_names_the_cause():
                 "\t [[{{node loss}}]] [Op:__inference_train_1]")
     assert summary(tf_error) == "Incompatible shapes: [16,10] vs. [16]"
     assert summary("x" * 500) == "x" * 300
+
+
+def test_after_the_held_group_waited_in_vain_the_full_size_gets_the_short_wait():
+    from raytf.driver.policy import Limits, ScalingPolicy
+
+    def spec(elastic):
+        return parse({"name": "e", "model": "m:f", "dataset_fn": "m:d",
+                      "train": {"global_batch_size": 96, "steps_per_epoch": 10},
+                      "cluster": {"workers": 4, "reserve_timeout_s": 60},
+                      "failure": {"elastic": {"min_workers": 2} if elastic else None}})
+
+    limits = Limits(elastic_reserve_timeout_s=10.0)
+    policy = ScalingPolicy(spec(elastic=True), limits, elastic_supported=True)
+    assert policy.sizes(after_failure=True) == [(4, 60.0), (3, 10.0), (2, 10.0)]
+    assert policy.sizes(after_failure=True, full_size_waited=True) == [(4, 10.0), (3, 10.0), (2, 10.0)]
+    assert ScalingPolicy(spec(elastic=False), limits, True).sizes(True, full_size_waited=True) == [(4, 60.0)]

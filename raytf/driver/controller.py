@@ -236,12 +236,13 @@ class Controller:
                 # a bundle of it is on the draining node, which Ray will not schedule on again
                 self.resources.release(self.pg)
                 self.pg = None
+            waited = False
             if self.pg is not None and not self.resources.ready_again(self.pg, spec.cluster.reserve_timeout_s):
                 self.display.message("raytf: the placement group did not come back in time; reserving anew")
                 self.resources.release(self.pg)
-                self.pg = None
+                self.pg, waited = None, True
             if self.pg is None:
-                self.pg, workers = self._reserve()
+                self.pg, workers = self._reserve(full_size_waited=waited)
             else:
                 workers = self.attempt.spec.cluster.workers
         attempt_spec = backend.with_workers(spec, workers)
@@ -260,8 +261,8 @@ class Controller:
         self._phase("reserve_s")
         self.state = STARTING
 
-    def _reserve(self) -> tuple[Any, int]:
-        sizes = self.scaling.sizes(after_failure=bool(self.decisions))
+    def _reserve(self, full_size_waited: bool = False) -> tuple[Any, int]:
+        sizes = self.scaling.sizes(after_failure=bool(self.decisions), full_size_waited=full_size_waited)
         note = self.backend.reservation_note(self.spec)
         placement = self.spec.cluster.effective_placement
         for i, (workers, timeout_s) in enumerate(sizes):

@@ -105,14 +105,17 @@ class ScalingPolicy:
     def __init__(self, spec: "JobSpec", limits: Limits, elastic_supported: bool):
         self.spec, self.limits, self.elastic_supported = spec, limits, elastic_supported
 
-    def sizes(self, after_failure: bool) -> list[tuple[int, float]]:
+    def sizes(self, after_failure: bool, full_size_waited: bool = False) -> list[tuple[int, float]]:
+        """`full_size_waited`: the held placement group already waited reserve_timeout_s to come back whole,
+        so with elastic the full size gets only the short wait the smaller sizes get."""
         spec = self.spec
         full = (spec.cluster.workers, spec.cluster.reserve_timeout_s)
         if not (after_failure and self.elastic_supported and spec.failure.elastic is not None):
             return [full]
         counts = elastic_sizes(spec, spec.failure.elastic.min_workers)
         smaller = min(self.limits.elastic_reserve_timeout_s, spec.cluster.reserve_timeout_s)
-        return [full] + [(n, smaller) for n in counts if n != spec.cluster.workers]
+        first = (spec.cluster.workers, smaller) if full_size_waited else full
+        return [first] + [(n, smaller) for n in counts if n != spec.cluster.workers]
 
 
 class ReplacementPolicy:

@@ -85,6 +85,33 @@ def bundle_nodes(pg) -> dict[int, str]:
     return {int(i): node for i, node in ray.util.placement_group_table(pg)["bundles_to_node_id"].items()}
 
 
+NODE_PROBE_S = 5.0  # a node that cannot run a trivial task in this long is taken for gone
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _answer() -> bool:
+    return True
+
+
+def unresponsive(nodes: set[str], timeout_s: float) -> set[str]:
+    """The nodes (ids) that do not run a trivial task within timeout_s."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    refs = {_answer.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(): node
+            for node in nodes}
+    ready = set(ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)[0])
+    silent = set()
+    for ref, node in refs.items():
+        try:
+            if ref not in ready or not ray.get(ref):
+                silent.add(node)
+        except Exception:
+            silent.add(node)
+        if ref not in ready:
+            ray.cancel(ref, force=True)
+    return silent
+
+
 def kill(actor) -> None:
     try:
         ray.kill(actor, no_restart=True)
@@ -253,18 +280,24 @@ class RayResources:
         return placement.reserve(bundles, strategy, timeout_s, name=name)
 
     def ready_again(self, pg, timeout_s: float) -> bool:
-        """Ready, and every bundle on a node Ray counts as alive: a bundle whose node just died still names
-        that node until Ray moves it, and an actor created in it then dies at once (a wasted restart)."""
+        """Ready, with every bundle on a node that answers. A node that died or dropped off the network is
+        still "alive" to Ray until its health checks run out (~30 s), and the group's bundle stays on it:
+        an actor created there dies at once, a wasted restart. So each node of the group is asked to run
+        a trivial task; one that does not answer in NODE_PROBE_S is waited for until Ray declares it dead
+        and moves the bundle (or the deadline passes: False, and the caller reserves anew)."""
         deadline = time.monotonic() + timeout_s
-        ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
-        while ready:
-            alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-            table = ray.util.placement_group_table(pg)
-            if table["state"] == "CREATED" and set(table["bundles_to_node_id"].values()) <= alive:
-                return True
-            if time.monotonic() >= deadline:
+        suspects: set[str] = set()
+        while time.monotonic() < deadline:
+            if not ray.wait([pg.ready()], timeout=max(0.0, deadline - time.monotonic()))[0]:
                 return False
-            time.sleep(0.2)
+            table = ray.util.placement_group_table(pg)
+            nodes = set(table["bundles_to_node_id"].values())
+            alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+            if table["state"] == "CREATED" and nodes <= alive and not (nodes & suspects):
+                suspects |= unresponsive(nodes, min(NODE_PROBE_S, max(0.1, deadline - time.monotonic())))
+                if not nodes & suspects:
+                    return True
+            time.sleep(0.5)
         return False
 
     def release(self, pg) -> None:
