@@ -157,10 +157,12 @@ class Hosts:
 
     def leftovers(self) -> dict[str, int]:
         """Live actors and placement groups not removed, as Ray's state API on the head sees them."""
+        # The address is explicit: left to itself the state API auto-detects "the local Ray", which on a
+        # machine where another test ran `ray start` is that one (its dashboard at 127.0.0.1), not this head.
         out = self.python(
-            "from ray.util.state import list_actors, list_placement_groups\n"
-            "print(len(list_actors(filters=[('state', '=', 'ALIVE')])), "
-            "len([p for p in list_placement_groups() if p.state != 'REMOVED']))")
+            f"from ray.util.state import list_actors, list_placement_groups\n"
+            f"print(len(list_actors(address={self.gcs_address!r}, filters=[('state', '=', 'ALIVE')])), "
+            f"len([p for p in list_placement_groups(address={self.gcs_address!r}) if p.state != 'REMOVED']))")
         actors, groups = map(int, out.split())
         return {"actors": actors, "placement_groups": groups}
 
