@@ -86,7 +86,10 @@ def run(runner: Runner, payload: WorkerPayload, ctx: TaskContext) -> dict[str, A
                 trace.after(global_step)
                 if loss is not None:
                     ctx.train_step(epoch, step, runner.steps, global_step, loss, spec.train.effective_batch_size)
-            if ctx.stop_requested and ctx.stop_due(global_step):  # a drain notice: checkpoint now, here
+            # Asked after every chunk, not only once a notice came: it records the step just finished, so a
+            # notice arriving during the checkpoint or epoch end below is not accepted for a step this rank
+            # has passed (the ranks would stop on different sides of those collectives).
+            if ctx.stop_due(global_step):  # a drain notice: checkpoint now, here
                 trace.close()
                 return stopped(runner, checkpoints, ctx, global_step, epoch, step, history, position)
             if checkpoints.enabled and every_kind == "steps" and global_step % every == 0 and step < runner.steps:

@@ -1,0 +1,122 @@
+"""A drain notice inside the one training loop, against a recording runner (no cluster): every rank that
+accepts a stop step stops at exactly that step, on the same side of the epoch end's collectives."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from raytf.actor import loop
+from raytf.actor.context import TaskContext, WorkerPayload
+from raytf.spec import parse
+
+pytestmark = pytest.mark.timeout(120)
+
+STEPS_PER_EPOCH = 4
+
+
+class Sums:
+    sizes = (1,)
+
+    def results(self, totals):
+        return {"examples": 8}
+
+
+class RecordingRunner:
+    """Steps, syncs and validation in the order the loop calls them; `during_validation` runs inside the
+    epoch end's validation (where a notice can arrive while the rank waits on the others)."""
+
+    steps = STEPS_PER_EPOCH
+    optimizer = None
+    validates = True
+    train_acc = eval_acc = Sums()
+
+    def __init__(self, during_validation=None):
+        self.calls: list[str] = []
+        self.done = 0
+        self.during_validation = during_validation
+
+    def start_epoch(self, epoch, totals):
+        pass
+
+    def train(self, count, epoch, stopping=lambda: False):
+        for _ in range(count):
+            if stopping():
+                return
+            self.done += 1
+            self.calls.append(f"step {self.done}")
+            yield 0.5
+
+    def epoch_totals(self):
+        return np.zeros(1)
+
+    def epoch_notes(self):
+        return {}
+
+    def sync_state(self):
+        self.calls.append("sync")
+
+    def validate(self):
+        self.calls.append("validate")
+        if self.during_validation is not None:
+            self.during_validation()
+            self.during_validation = None
+        return np.zeros(1)
+
+    def final_checkpoint_needed(self):
+        return False
+
+    def timing(self):
+        return {}
+
+    def finish(self):
+        return {}
+
+
+@pytest.fixture
+def rank(tmp_path, monkeypatch):
+    monkeypatch.setattr(loop.schedules, "learning_rate_at", lambda optimizer, step: 0.1)
+    spec = parse({"name": "stop", "model": "m:f", "dataset_fn": "m:d",
+                  "train": {"global_batch_size": 8, "epochs": 3, "steps_per_epoch": STEPS_PER_EPOCH}})
+    return lambda: TaskContext(0, 2, spec, str(tmp_path)), WorkerPayload(spec)
+
+
+def test_a_notice_for_a_step_this_rank_finished_before_the_epoch_end_is_refused(rank):
+    make_ctx, payload = rank
+    ctx = make_ctx()
+    answers = []
+    runner = RecordingRunner(during_validation=lambda: answers.append(ctx.request_stop(STEPS_PER_EPOCH)))
+    outcome = loop.run(runner, payload, ctx)
+    # The rank had finished step 4 and gone into the epoch end: stopping there would put it on the far side
+    # of the sync and validation that a rank still inside step 4 (which accepts) would never run.
+    assert answers == [{"accepted": False, "step": STEPS_PER_EPOCH}]
+    assert "preempted" not in outcome and runner.done == 3 * STEPS_PER_EPOCH
+
+
+def test_a_notice_during_the_epoch_end_stops_every_rank_at_the_next_epochs_step(rank):
+    make_ctx, payload = rank
+    ctx = make_ctx()
+    runner = RecordingRunner(during_validation=lambda: ctx.request_stop(STEPS_PER_EPOCH + 2))
+    outcome = loop.run(runner, payload, ctx)
+    assert outcome["preempted"]["step"] == outcome["steps"] == STEPS_PER_EPOCH + 2
+    assert runner.calls == [f"step {i}" for i in range(1, 5)] + ["sync", "validate", "step 5", "step 6"]
+
+
+def test_a_notice_for_the_epochs_last_step_stops_before_its_end(rank):
+    make_ctx, payload = rank
+    ctx = make_ctx()
+    runner = RecordingRunner()
+    runner.train = _asking_at(runner.train, ctx, after_step=2, stop_at=STEPS_PER_EPOCH)
+    outcome = loop.run(runner, payload, ctx)
+    # Every rank that accepted step 4 stops right after it, before the epoch end's collectives; the resumed
+    # attempt runs the epoch end.
+    assert outcome["preempted"]["step"] == STEPS_PER_EPOCH
+    assert runner.calls == [f"step {i}" for i in range(1, 5)]
+
+
+def _asking_at(train, ctx, after_step, stop_at):
+    def asking(count, epoch, stopping=lambda: False):
+        for loss in train(count, epoch, stopping):
+            yield loss
+            if ctx.global_step == after_step:  # the loop has counted the step just yielded
+                assert ctx.request_stop(stop_at)["accepted"]
+    return asking
