@@ -58,7 +58,8 @@ def watch(imds: str = IMDS, interval_s: float = 5.0, drain: Callable[[int], None
           clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
           log: Callable[[str], None] = print, until: Callable[[], bool] = lambda: False) -> int | None:
     """Poll every `interval_s` until a notice comes, drain this node with its deadline, and return that
-    deadline (seconds). The metadata service failing is logged and polled again. `until()` true: stop."""
+    deadline (seconds). The metadata service or the drain failing is logged and tried again at the next
+    poll (the notice stays until the instance goes). `until()` true: stop."""
     while not until():
         try:
             notice = instance_action(imds)
@@ -68,7 +69,10 @@ def watch(imds: str = IMDS, interval_s: float = 5.0, drain: Callable[[int], None
         left = seconds_left(notice, clock()) if notice else None
         if left is not None:
             log(f"raytf spot-watch: Spot interruption in {left}s; draining this Ray node")
-            drain(left)
-            return left
+            try:
+                drain(left)
+                return left
+            except (subprocess.SubprocessError, OSError) as exc:
+                log(f"raytf spot-watch: the drain failed ({exc}); trying again")
         sleep(interval_s)
     return None

@@ -324,6 +324,36 @@ def test_a_rank_already_past_the_stop_step_falls_back_and_the_node_going_first_i
     assert result.status == "succeeded"
 
 
+def test_an_error_in_the_users_code_during_a_notice_still_ends_the_job(tmp_path):
+    def fails(attempt, task):  # rank 0's code raises while the drain notice is being served
+        return Script(fail_after=7.5, error=user_error("ValueError: bad shape"), steps_per_s=1.0) \
+            if task.rank == 0 else Script(finish_after=30, steps_per_s=1.0)
+
+    c, world, clock = make(tmp_path, fails, preemptible(tmp_path, max_restarts=3), nodes=3)
+    world.drains = [(clock.now() + 6.0, "node-1", clock.now() + 36.0)]
+    with pytest.raises(TrainingFailed, match="bad shape"):
+        run_fast(c)
+    assert world.stop_requests and len(world.groups) == 1  # the notice was being served; no restart
+
+
+def test_under_parameter_servers_a_drained_node_with_only_a_worker_is_let_go(tmp_path):
+    job = make_job(tmp_path, strategy="parameter_server", checkpoint={"dir": str(tmp_path / "ckpt"), "every_steps": 50},
+                   cluster={"workers": 2, "ps": 1, "cpus_per_worker": 0.5}, failure={"max_restarts": 0})
+
+    def script(attempt, task):  # chief on node-0, ps on node-1, worker 0 on node-2, worker 1 on node-0
+        if task.role == "chief":
+            return Script(finish_after=20.0)
+        if task.role == "worker" and task.index == 0 and attempt == 1:
+            return Script(finish_after=None, fail_after=9.0, error=actor_died())  # its node goes
+        return Script(finish_after=None)
+
+    c, world, clock = make(tmp_path, script, job, nodes=3)
+    world.drains = [(clock.now() + 3.0, "node-2", clock.now() + 30.0)]
+    result = run_fast(c)
+    assert result.status == "succeeded" and result.restarts == [] and world.stop_requests == []
+    assert world.replaced == [2] and len(world.groups) == 1  # worker 0 replaced; the attempt went on
+
+
 def test_without_a_checkpoint_dir_a_drain_is_only_reported(tmp_path):
     c, world, clock = make(tmp_path, lambda attempt, task: Script(finish_after=20.0), make_job(tmp_path), nodes=3)
     world.drains = [(clock.now() + 3.0, "node-1", None)]

@@ -72,6 +72,20 @@ def test_no_notice_no_drain_then_one_drain_with_the_deadline(imds):
     assert left == 120 and drained == [120] and FakeMetadata.polls == 4
 
 
+def test_a_drain_that_fails_is_tried_again_at_the_next_poll(imds):
+    FakeMetadata.notice = '{"action": "terminate", "time": "2026-12-03T22:38:40Z"}'
+    tries, lines = [], []
+
+    def drain(left):
+        tries.append(left)
+        if len(tries) == 1:  # the GCS did not answer the first time
+            raise subprocess.CalledProcessError(1, ["ray", "drain-node"])
+
+    left = spot_watch.watch(imds, interval_s=0, drain=drain, clock=lambda: NOW, sleep=lambda _: None,
+                            log=lines.append)
+    assert left == 120 and tries == [120, 120] and any("the drain failed" in line for line in lines)
+
+
 def test_a_metadata_service_that_does_not_answer_is_polled_again():
     lines, looks = [], []
     spot_watch.watch("http://127.0.0.1:9", interval_s=0, drain=pytest.fail, log=lines.append,

@@ -145,6 +145,7 @@ class _Attempt:
     standby_armed: bool = False
     drain_checked_at: float = 0.0
     notice: "_DrainNotice | None" = None  # a node of this attempt is draining
+    drains_let_go: set = dataclasses.field(default_factory=set)  # draining nodes whose loss the job survives
     last_step: int = 0  # the furthest optimizer step any rank reported
 
 
@@ -439,7 +440,9 @@ class Controller:
     def _attempt_failed(self, failure: Failure, nodes: list[str] | None = None) -> None:
         a = self.attempt
         notice = a.notice if a is not None else None
-        if notice is not None and failure.kind != "preempted":  # the drained node went before a checkpoint
+        # Infrastructure trouble during a notice is the drained node going before its checkpoint: a preemption.
+        # An error in the user's code is not, and ends the job as it would without the notice.
+        if notice is not None and failure.kind in failure_lib.RESTARTABLE:
             message = (f"node {notice.node_ip} was draining and {failure.message}; the checkpoint-now did not "
                        f"finish, so the job goes back to its last checkpoint")
             failure = Failure("preempted", message, tuple(notice.ranks), {message: notice.ranks},
@@ -471,10 +474,18 @@ class Controller:
             return False
         a.drain_checked_at = now
         draining = self.resources.draining()
-        on_drained = [t for t in a.tasks if t.node_id in draining]
-        if not on_drained:
+        on_drained = [t for t in a.tasks if t.node_id in draining and t.node_id not in a.drains_let_go]
+        # A node holding only tasks the job goes on without (parameter-server workers, replaced; an
+        # evaluator, recorded) is let go: no checkpoint-now, no restart; its tasks are dealt with when it goes.
+        fatal = [t for t in on_drained if self.backend.supervision[t.role].on_failure == "fatal"]
+        for node in sorted({t.node_id for t in on_drained} - {t.node_id for t in fatal}):
+            a.drains_let_go.add(node)
+            let_go = [t for t in on_drained if t.node_id == node]
+            self.display.message(f"raytf: node {let_go[0].node_ip} ({self.backend.who([t.rank for t in let_go])}) "
+                                 f"is draining; training goes on without it")
+        if not fatal:
             return False
-        node = on_drained[0].node_id
+        node = fatal[0].node_id
         a.notice = notice = _DrainNotice(node, on_drained[0].node_ip, [t.rank for t in a.tasks if t.node_id == node],
                                          now, draining[node], a.last_step)
         when = "no deadline" if notice.deadline is None else f"deadline in {notice.deadline - now:.0f}s"

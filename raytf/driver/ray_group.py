@@ -283,20 +283,19 @@ class RayResources:
         """Ready, with every bundle on a node that answers. A node that died or dropped off the network is
         still "alive" to Ray until its health checks run out (~30 s), and the group's bundle stays on it:
         an actor created there dies at once, a wasted restart. So each node of the group is asked to run
-        a trivial task; one that does not answer in NODE_PROBE_S is waited for until Ray declares it dead
-        and moves the bundle (or the deadline passes: False, and the caller reserves anew)."""
+        a trivial task; while one does not answer in NODE_PROBE_S, the group waits (and asks again: a node
+        only busy answers later) until Ray declares it dead and moves the bundle, or the deadline passes
+        (False, and the caller reserves anew)."""
         deadline = time.monotonic() + timeout_s
-        suspects: set[str] = set()
         while time.monotonic() < deadline:
             if not ray.wait([pg.ready()], timeout=max(0.0, deadline - time.monotonic()))[0]:
                 return False
             table = ray.util.placement_group_table(pg)
             nodes = set(table["bundles_to_node_id"].values())
             alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-            if table["state"] == "CREATED" and nodes <= alive and not (nodes & suspects):
-                suspects |= unresponsive(nodes, min(NODE_PROBE_S, max(0.1, deadline - time.monotonic())))
-                if not nodes & suspects:
-                    return True
+            if table["state"] == "CREATED" and nodes <= alive and \
+                    not unresponsive(nodes, min(NODE_PROBE_S, max(0.1, deadline - time.monotonic()))):
+                return True
             time.sleep(0.5)
         return False
 
