@@ -7,7 +7,7 @@ from raytf.driver.failure import (
     aggregate,
     classify,
 )
-from raytf.driver.policy import RestartPolicy, elastic_batch, elastic_sizes
+from raytf.driver.policy import RestartPolicy, checkpoint_fits, elastic_batch, elastic_sizes, stop_step
 from raytf.spec import parse
 
 
@@ -105,3 +105,15 @@ def test_after_the_held_group_waited_in_vain_the_full_size_gets_the_short_wait()
     assert policy.sizes(after_failure=True) == [(4, 60.0), (3, 10.0), (2, 10.0)]
     assert policy.sizes(after_failure=True, full_size_waited=True) == [(4, 10.0), (3, 10.0), (2, 10.0)]
     assert ScalingPolicy(spec(elastic=False), limits, True).sizes(True, full_size_waited=True) == [(4, 60.0)]
+
+
+def test_the_stop_step_is_past_the_furthest_rank_by_the_margin_and_at_least_two_steps():
+    assert stop_step([100, 104], 20.0, 0.5) == 114  # 10 steps of travel at 20 steps/s
+    assert stop_step([100, 104], 1.0, 0.5) == 106  # slow steps: still two ahead
+    assert stop_step([7], None, 0.5) == 17  # no rate measured yet
+
+
+def test_a_checkpoint_fits_when_the_way_to_the_stop_and_two_saves_fit_before_the_deadline():
+    assert checkpoint_fits(None, 5.0, 1.0) and checkpoint_fits(3.0, None, 1.0)  # nothing to compare: try
+    assert checkpoint_fits(12.0, 5.0, 0.5)  # 0.5 + 2 x 5 + 1 = 11.5 < 12
+    assert not checkpoint_fits(12.0, 5.0, 2.0)  # slow steps: the way to the stop takes 2 s

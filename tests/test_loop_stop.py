@@ -120,3 +120,25 @@ def _asking_at(train, ctx, after_step, stop_at):
             if ctx.global_step == after_step:  # the loop has counted the step just yielded
                 assert ctx.request_stop(stop_at)["accepted"]
     return asking
+
+
+def test_the_step_rate_a_stop_step_is_planned_with_leaves_out_validation_and_checkpoints(rank, monkeypatch):
+    make_ctx, _ = rank
+    now = [1000.0]
+    monkeypatch.setattr("raytf.actor.context.time.time", lambda: now[0])
+    ctx = make_ctx()
+
+    def steps(first, count):
+        for g in range(first, first + count):
+            now[0] += 0.1  # 10 steps/s
+            ctx.train_step(1, g % STEPS_PER_EPOCH or STEPS_PER_EPOCH, None, g, 0.5, 8)
+
+    steps(1, 20)
+    ctx.phase("validating")
+    now[0] += 30.0  # a long validation pass, then a checkpoint
+    ctx.phase("checkpointing")
+    now[0] += 10.0
+    steps(21, 3)  # the first report after them: the rate must not count the 40 s without steps
+    assert ctx.progress()["steps_per_s"] == pytest.approx(10.0, rel=0.05)
+    steps(24, 20)
+    assert ctx.progress()["steps_per_s"] == pytest.approx(10.0, rel=0.05)

@@ -136,11 +136,13 @@ class TaskContext:
         """A named stretch of work (validating, checkpointing, restoring): progress for the hang watchdog."""
         with self._lock:
             self._progress.update(phase=name, updated=time.time())
+        self._last_report = (0.0, 0)  # steps_per_s starts over after this: it measures stepping only
 
     def epoch_end(self, metrics: dict[str, Any]) -> None:
         with self._lock:
             self._epochs.append(dict(metrics))
             self._progress.update(phase="epoch_end", updated=time.time())
+        self._last_report = (0.0, 0)
 
     def evaluation(self, metrics: dict[str, Any]) -> None:
         """The evaluator side-car's result for one checkpoint."""

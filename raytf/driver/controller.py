@@ -497,14 +497,16 @@ class Controller:
         loop_ranks = sorted(a.progress_seen)
         checkpoint_s = max([p.get("checkpoint_s", 0.0) for p in progress if p] + [self._checkpoint_s or 0.0]) or None
         seconds_left = None if notice.deadline is None else notice.deadline - now
-        margin_s = self.limits.preempt_margin_s
-        if not checkpoint_fits(seconds_left, checkpoint_s, margin_s):
+        answered = [progress[r] for r in loop_ranks if progress[r] is not None]
+        rates = [p["steps_per_s"] for p in answered if p.get("steps_per_s")]
+        steps = [p.get("global_step", 0) for p in answered]
+        target = stop_step(steps, max(rates, default=None), self.limits.preempt_margin_s)
+        # the slowest rank's way to the stop step, at the slowest rate (no rate yet: the margin)
+        to_stop_s = (target - min(steps, default=0)) / min(rates) if rates else self.limits.preempt_margin_s
+        if not checkpoint_fits(seconds_left, checkpoint_s, to_stop_s):
             self._fall_back(f"{seconds_left:.1f}s left is too short for a checkpoint (the last took "
                             f"{checkpoint_s:.1f}s)", said)
             return True
-        answered = [progress[r] for r in loop_ranks if progress[r] is not None]
-        rates = [p["steps_per_s"] for p in answered if p.get("steps_per_s")]
-        target = stop_step([p.get("global_step", 0) for p in answered], max(rates, default=None), margin_s)
         answers = a.group.stop_at(loop_ranks, target, self.limits.progress_timeout_s)
         refused = [r for r, answer in zip(loop_ranks, answers) if not (answer and answer["accepted"])]
         if refused:

@@ -138,13 +138,13 @@ def stop_step(steps: list[int], steps_per_s: float | None, margin_s: float) -> i
     return max(steps, default=0) + ahead
 
 
-def checkpoint_fits(seconds_left: float | None, checkpoint_s: float | None, margin_s: float) -> bool:
-    """Whether a checkpoint-now can finish before the node goes: the steps to the common stop, the save
-    (as long as the last one took, twice over), and a second for the attempt to end. No deadline, or no
-    save measured yet: try."""
+def checkpoint_fits(seconds_left: float | None, checkpoint_s: float | None, to_stop_s: float) -> bool:
+    """Whether a checkpoint-now can finish before the node goes: the steps to the common stop (`to_stop_s`),
+    the save (as long as the last one took, twice over), and a second for the attempt to end. No deadline,
+    or no save measured yet: try."""
     if seconds_left is None or checkpoint_s is None:
         return True
-    return seconds_left > margin_s + 2 * checkpoint_s + 1.0
+    return seconds_left > to_stop_s + 2 * checkpoint_s + 1.0
 
 
 def stalled(last_progress_at: dict[int, float], now: float, hang_timeout_s: float) -> list[int]:
