@@ -83,7 +83,11 @@ def test_a_drained_node_costs_no_step_and_no_restart_budget(cluster, spot_nodes,
     assert_nothing_left()
 
 
-def test_under_parameter_servers_the_chief_checkpoints_at_its_next_step(cluster, spot_nodes, ps_dir, criteo_data):
+def test_under_parameter_servers_a_drained_worker_node_is_let_go_and_training_goes_on(cluster, spot_nodes, ps_dir,
+                                                                                       criteo_data):
+    """A node holding only a parameter-server worker: the job survives that worker's loss (it is replaced), so
+    no checkpoint-now and no restart; the chief's steps go on. (A drained chief or ps node takes the
+    checkpoint-now path: tests/test_controller.py.)"""
     drained = []
     trigger = AtSteps([(20, node_of(3, drained))])  # worker 1 (rank 3), as the chief passes step 20
     spec = ps_spec(criteo_data, train={"epochs": 4},
@@ -91,12 +95,10 @@ def test_under_parameter_servers_the_chief_checkpoints_at_its_next_step(cluster,
                    checkpoint={"dir": str(ps_dir / "ckpt"), "every_steps": 50, "keep": 2})
     result = run(load(write_job(ps_dir, spec)), group_cls=trigger.group_cls)
 
-    restart, = result.restarts
-    assert restart["kind"] == "preempted" and 3 in restart["ranks"] and restart["node_id"] == drained[0]
-    assert restart["step_saved"] == restart["resumed_from_step"] == restart["last_step"] > 20
-    assert restart["steps_lost"] == 0
-    assert result.tasks[0]["steps"] == 4 * PS_STEPS_PER_EPOCH  # the chief's count: every step once
-    assert drained[0] not in {t["node_id"] for t in result.tasks if t["role"] == "worker"}
+    assert [at for at, _, _ in trigger.done] == [20], "the drain did not happen while training"
+    assert result.status == "succeeded" and result.restarts == []
+    assert result.tasks[0]["steps"] == 4 * PS_STEPS_PER_EPOCH  # the chief's count: every step once, one attempt
+    assert result.history[-1]["loss"] < result.history[0]["loss"]
     assert_nothing_left()
 
 
