@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import glob as globlib
+import math
 import os
 from typing import Iterator
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
@@ -22,9 +24,18 @@ from raytf.errors import SpecError
 @dataclasses.dataclass(frozen=True)
 class Column:
     name: str
-    dtype: str  # numpy dtype name the tensor will have, or "string"
-    dim: int | None  # None: a scalar per row; else a vector of this length
+    dtype: str  # numpy dtype name the tensor will have, "string" (text) or "bytes" (binary, e.g. an encoded image)
+    shape: tuple[int, ...] = ()  # one row's: () a scalar, (n,) a vector, (h, w, c) a tensor; -1: read from the data
     fill: float | str | None = None  # value for nulls (data.fill_nulls); None: nulls are an error
+
+    @property
+    def tf_dtype(self) -> str:
+        return "string" if self.dtype in ("string", "bytes") else self.dtype
+
+    @property
+    def nested(self) -> bool:
+        """Whether rows are lists (of lists...), read as a flat run of values and reshaped."""
+        return bool(self.shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,23 +139,47 @@ def _list_parquet_files(fs: pafs.FileSystem, root: str, key: str) -> list[str]:
     return files
 
 
+def _is_number(t: pa.DataType) -> bool:
+    return pa.types.is_floating(t) or pa.types.is_integer(t)
+
+
+def _list_shape(t: pa.DataType) -> tuple[tuple[int, ...], pa.DataType] | None:
+    """A (nested) list type's shape (-1 where rows may differ: read from the data) and its value type."""
+    shape = []
+    while pa.types.is_fixed_size_list(t) or pa.types.is_list(t) or pa.types.is_large_list(t):
+        shape.append(t.list_size if pa.types.is_fixed_size_list(t) else -1)
+        t = t.value_type
+    return (tuple(shape), t) if shape else None
+
+
 def _column_info(field: pa.Field, key: str) -> Column:
     t = field.type
     if pa.types.is_dictionary(t):
         t = t.value_type
     if pa.types.is_string(t) or pa.types.is_large_string(t):
-        return Column(field.name, "string", None)  # categorical: the model maps strings to ids
+        return Column(field.name, "string")  # categorical: the model maps strings to ids
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
+        return Column(field.name, "bytes")  # e.g. an encoded image: data.decode or data.preprocess decodes it
     if pa.types.is_floating(t) or pa.types.is_decimal(t):
-        return Column(field.name, "float32", None)
+        return Column(field.name, "float32")
     if pa.types.is_integer(t) or pa.types.is_boolean(t):
-        return Column(field.name, "int64", None)
-    if pa.types.is_fixed_size_list(t) and (pa.types.is_floating(t.value_type) or pa.types.is_integer(t.value_type)):
-        return Column(field.name, "float32", t.list_size)
-    if pa.types.is_list(t) or pa.types.is_large_list(t):
-        if pa.types.is_floating(t.value_type) or pa.types.is_integer(t.value_type):
-            return Column(field.name, "float32", -1)  # length found from the first row group
+        return Column(field.name, "int64")
+    if isinstance(t, pa.FixedShapeTensorType) and _is_number(t.value_type):  # Arrow's tensor extension type
+        if t.permutation is not None and list(t.permutation) != sorted(t.permutation):
+            raise SpecError(f"{key}: column {field.name!r} is a tensor stored permuted ({list(t.permutation)}); "
+                            f"write it in row-major order (permutation none)")
+        return Column(field.name, _tensor_dtype(t.value_type), tuple(t.shape))
+    nested = _list_shape(t)
+    if nested is not None and _is_number(nested[1]):
+        shape, value_type = nested
+        return Column(field.name, _tensor_dtype(value_type) if len(shape) > 1 else "float32", shape)
     raise SpecError(f"{key}: column {field.name!r} has type {t}, which raytf cannot make a tensor from; "
-                    f"use numbers, lists of numbers or strings")
+                    f"use numbers, (nested) lists of numbers, tensors, strings or binary")
+
+
+def _tensor_dtype(t: pa.DataType) -> str:
+    """A tensor column's dtype: uint8 stays (images, a quarter of float32's memory), other numbers float32."""
+    return "uint8" if pa.types.is_uint8(t) else "float32"
 
 
 def _join(root: str, rel: str) -> str:
@@ -159,6 +194,7 @@ class Scan:
     schema: pa.Schema
     pieces: tuple[Piece, ...]
     null_counts: dict[str, int]  # top-level column -> nulls per the files' statistics (where written)
+    leaf_values: tuple[dict[str, int], ...] = ()  # per piece: list column -> values at its innermost level
 
     @property
     def num_rows(self) -> int:
@@ -170,6 +206,7 @@ def scan(path: str, key: str = "data") -> Scan:
     fs, root = _filesystem(path)
     files = _list_parquet_files(fs, root, key)
     pieces: list[Piece] = []
+    leaves: list[dict[str, int]] = []
     schema = None
     nulls: dict[str, int] = {}
     for rel in files:
@@ -189,17 +226,21 @@ def scan(path: str, key: str = "data") -> Scan:
                             f"all files of a data set need one schema")
         for g in range(meta.num_row_groups):
             group = meta.row_group(g)
-            if group.num_rows > 0:
-                pieces.append(Piece(rel, g, group.num_rows))
+            leaf = {}
             for c in range(group.num_columns):
                 column = group.column(c)
+                name = column.path_in_schema.split(".")[0]
+                if "." in column.path_in_schema:  # a list column's values: how many, for the shape check
+                    leaf[name] = column.num_values
                 stats = column.statistics
                 if stats is not None and stats.has_null_count and stats.null_count:
-                    name = column.path_in_schema.split(".")[0]
                     nulls[name] = nulls.get(name, 0) + stats.null_count
+            if group.num_rows > 0:
+                pieces.append(Piece(rel, g, group.num_rows))
+                leaves.append(leaf)
     if not pieces:
         raise SpecError(f"{key}: {path!r} has no rows")
-    return Scan(root=path, schema=schema, pieces=tuple(pieces), null_counts=nulls)
+    return Scan(root=path, schema=schema, pieces=tuple(pieces), null_counts=nulls, leaf_values=tuple(leaves))
 
 
 def describe(path: str, features: list[str], label: str, key: str = "data",
@@ -217,21 +258,75 @@ def describe(path: str, features: list[str], label: str, key: str = "data",
         if found.null_counts.get(c) and info.fill is None:
             raise SpecError(f"{key}: column {c!r} has {found.null_counts[c]:,} null values; set "
                             f"data.fill_nulls: {{{c}: <value>}} or clean the data")
-    variable = [c for c, info in columns.items() if info.dim == -1]
-    if variable:  # list<float>: every row must have one length; read it off the first row group
+    variable = [c for c, info in columns.items() if -1 in info.shape]
+    if variable:  # lists without a fixed size: one shape in every row, read off the first row group
         fs, root = _filesystem(path)
         first = _read_piece(fs, root, found.pieces[0], variable)
         for c in variable:
-            lengths = pa.compute.list_value_length(first.column(c)).unique().to_pylist()
-            if len(lengths) != 1 or lengths[0] is None:
-                raise SpecError(f"{key}: column {c!r} holds lists of lengths {sorted(x for x in lengths if x is not None)}; "
-                                f"a vector feature needs one length in every row")
-            columns[c] = dataclasses.replace(columns[c], dim=int(lengths[0]))
-    if columns[label].dim is not None or columns[label].dtype == "string":
+            columns[c] = dataclasses.replace(columns[c], shape=_rows_shape(first.column(c), c, key, found.pieces[0]))
+    for c, info in columns.items():  # every row group holds rows x shape values (its footer says, no read)
+        if info.nested:
+            _check_leaf_values(found, info, key)
+    if columns[label].nested or columns[label].dtype in ("string", "bytes"):
         raise SpecError(f"{key}: label {label!r} has type {schema.field(label).type}; the label must be one number "
                         f"per row (map string classes to integer ids first)")
     return DatasetInfo(root=path, pieces=found.pieces, features=tuple(columns[f] for f in features),
                        label=columns[label])
+
+
+def _where(piece: Piece) -> str:
+    return f"row group {piece.row_group}" + (f" of {piece.file}" if piece.file else "")
+
+
+def _rows_shape(column: pa.ChunkedArray, name: str, key: str, piece: Piece) -> tuple[int, ...]:
+    """The one shape of every row of a (nested) list column; a ragged one is a SpecError naming it."""
+    array = column.combine_chunks()
+    shape = []
+    while pa.types.is_list(array.type) or pa.types.is_large_list(array.type) or pa.types.is_fixed_size_list(array.type):
+        lengths = pc.list_value_length(array).unique().to_pylist()
+        if len(lengths) != 1 or lengths[0] is None:
+            known = sorted(x for x in lengths if x is not None)
+            raise SpecError(f"{key}: column {name!r} is ragged in {_where(piece)}: its lists at depth {len(shape) + 1} "
+                            f"have lengths {known[:5]}{'...' if len(known) > 5 else ''}; a tensor feature needs one "
+                            f"shape in every row (pad or resize the rows when writing the data)")
+        shape.append(int(lengths[0]))
+        array = array.flatten()
+    return tuple(shape)
+
+
+def _check_leaf_values(found: Scan, info: Column, key: str) -> None:
+    per_row = 1
+    for n in info.shape:
+        per_row *= n
+    for piece, leaves in zip(found.pieces, found.leaf_values):
+        values = leaves.get(info.name)
+        if values is not None and values != piece.num_rows * per_row:
+            raise SpecError(f"{key}: column {info.name!r} is ragged in {_where(piece)}: {values:,} values in "
+                            f"{piece.num_rows:,} rows, not {per_row:,} per row (shape {list(info.shape)}, from the "
+                            f"first row group); a tensor feature needs one shape in every row")
+
+
+def check_images(info: DatasetInfo, decode: list, key: str = "data") -> None:
+    """data.decode against the data: each named column is binary and its first value an image of the
+    format named (read from the header of the first row group's first value; no decoding)."""
+    from raytf import images
+
+    columns = {c.name: c for c in info.features}
+    for d in decode:
+        column = columns[d.column]
+        if column.dtype != "bytes":
+            raise SpecError(f"data.decode: column {d.column!r} holds {column.dtype} values, not encoded images; decode "
+                            f"binary columns only (PNG or JPEG bytes)")
+        fs, root = _filesystem(info.root)
+        values = _read_piece(fs, root, info.pieces[0], [d.column]).column(d.column)
+        sample = next((v for v in values.to_pylist() if v is not None), None)
+        found = images.header(sample) if sample is not None else None
+        if found is None:
+            raise SpecError(f"{key}: column {d.column!r} does not hold PNG or JPEG images (its first value starts "
+                            f"{bytes(sample or b'')[:8]!r}); decode it in data.preprocess instead of data.decode")
+        if found.format != d.format:
+            raise SpecError(f"data.decode: column {d.column!r} holds {found.format.upper()} images (first value: "
+                            f"{found.describe()}), not {d.format.upper()}; set format: {found.format}")
 
 
 def inspect_report(path: str, workers: int = 2) -> str:
@@ -241,14 +336,25 @@ def inspect_report(path: str, workers: int = 2) -> str:
     sizes = [p.num_rows for p in found.pieces]
     lines = [f"{path}: {found.num_rows:,} rows in {len(files)} file(s), {len(sizes)} row group(s) "
              f"(rows per group: min {min(sizes):,}, max {max(sizes):,})", "", "schema:"]
+    first = None  # the first row group's list and binary columns: shapes and sizes come from real rows
     for field in found.schema:
         try:
             kind = _column_info(field, path)
-            usable = "string (categorical)" if kind.dtype == "string" else \
-                f"{kind.dtype}" + (f" vector[{kind.dim}]" if kind.dim not in (None, -1) else
-                                   " vector[per-row length]" if kind.dim == -1 else "")
         except SpecError:
+            kind = None
+        if kind is not None and (-1 in kind.shape or kind.dtype == "bytes"):
+            if first is None:
+                fs, root = _filesystem(path)
+                first = _read_piece(fs, root, found.pieces[0], [
+                    f.name for f in found.schema if pa.types.is_binary(f.type) or pa.types.is_large_binary(f.type)
+                    or pa.types.is_fixed_size_binary(f.type) or _list_shape(f.type) is not None])
+            usable = _describe_sampled(kind, first.column(field.name), path, found.pieces[0])
+        elif kind is None:
             usable = "not usable as a tensor"
+        elif kind.dtype == "string":
+            usable = "string (categorical)"
+        else:
+            usable = kind.dtype + (f" tensor{list(kind.shape)}" if kind.shape else "")
         nulls = found.null_counts.get(field.name)
         lines.append(f"  {field.name}: {field.type} -> {usable}" + (f", {nulls:,} nulls" if nulls else ""))
     lines += ["", f"split over {workers} worker(s) (every row exactly once):"]
@@ -256,6 +362,27 @@ def inspect_report(path: str, workers: int = 2) -> str:
         groups = len({s.piece for s in shard})
         lines.append(f"  worker {w}: {shard_rows(shard):,} rows from {groups} row group(s)")
     return "\n".join(lines)
+
+
+DECODE_CHANNELS = {1: 1, 2: 1, 3: 3, 4: 4}  # an image's channels -> what data.decode offers (grey+alpha: grey)
+
+
+def _describe_sampled(kind: Column, column: pa.ChunkedArray, key: str, piece: Piece) -> str:
+    """A binary column's value sizes and its first value's image header; a list column's row shape."""
+    from raytf import images
+
+    if kind.dtype == "bytes":
+        sizes = pc.binary_length(column).to_numpy(zero_copy_only=False)
+        sample = next((v for v in column.to_pylist() if v is not None), None)
+        image = images.header(sample) if sample is not None else None
+        return (f"bytes (binary, {sizes.mean():,.0f} bytes per value on average, at most {sizes.max():,}); " +
+                (f"first value: {image.describe()} image (data.decode: {{column: {kind.name}, format: "
+                 f"{image.format}, channels: {DECODE_CHANNELS[image.channels]}}})" if image
+                 else "first value: not a PNG or JPEG image"))
+    try:
+        return kind.dtype + f" tensor{list(_rows_shape(column, kind.name, key, piece))} (from the first row group)"
+    except SpecError:
+        return "ragged lists: not usable as a tensor"
 
 
 def _read_piece(fs: pafs.FileSystem, root: str, piece: Piece, columns: list[str]) -> pa.Table:
@@ -267,7 +394,7 @@ def _read_piece(fs: pafs.FileSystem, root: str, piece: Piece, columns: list[str]
 
 
 def to_numpy(column: pa.ChunkedArray | pa.Array, info: Column):
-    """Arrow column -> NumPy array of info.dtype, shape (n,) or (n, dim); no Python loop per row.
+    """Arrow column -> NumPy array of info.dtype, shape (n, *info.shape); no Python loop per row.
     Nulls take info.fill when the spec gives one, else they are an error naming the column."""
     import numpy as np
 
@@ -276,24 +403,42 @@ def to_numpy(column: pa.ChunkedArray | pa.Array, info: Column):
         if info.fill is None:
             raise ValueError(f"column {info.name!r} has {array.null_count} null values; set "
                              f"data.fill_nulls.{info.name} in the spec or clean the data")
-        if info.dim is None:  # a null list has no single value to fill with
-            array = pa.compute.fill_null(array, pa.scalar(info.fill, array.type))
+        if not info.nested:  # a null list has no single value to fill with
+            array = pc.fill_null(array, pa.scalar(info.fill, array.type))
         if array.null_count:
             raise ValueError(f"column {info.name!r}: null lists cannot be filled; clean the data")
     if info.dtype == "string":
         return np.asarray(array.cast(pa.string()).to_numpy(zero_copy_only=False), dtype=object)
-    if info.dim is None:
+    if info.dtype == "bytes":
+        return np.asarray(array.to_numpy(zero_copy_only=False), dtype=object)
+    if not info.nested:
         return array.to_numpy(zero_copy_only=False).astype(info.dtype, copy=False)
-    values = array.flatten().to_numpy(zero_copy_only=False).astype(info.dtype, copy=False)
-    if values.size != len(array) * info.dim:
-        raise ValueError(f"column {info.name!r}: rows are not all of length {info.dim}")
-    return values.reshape(len(array), info.dim)
+    values = array.storage if isinstance(array, pa.ExtensionArray) else array
+    depth = 0
+    while pa.types.is_list(values.type) or pa.types.is_large_list(values.type) or \
+            pa.types.is_fixed_size_list(values.type):
+        if not pa.types.is_fixed_size_list(values.type) and len(values):  # every row's length at this depth
+            lengths = pc.min_max(pc.list_value_length(values)).as_py()
+            expected = info.shape[depth] if depth < len(info.shape) else None
+            if lengths["min"] != lengths["max"] or lengths["min"] != expected:
+                raise ValueError(f"column {info.name!r} is ragged: its lists at depth {depth + 1} have lengths "
+                                 f"{lengths['min']}..{lengths['max']}, not {expected} in every row (shape "
+                                 f"{list(info.shape)}, from the first row group)")
+        values = values.flatten()  # honours slicing, unlike .values
+        depth += 1
+    values = values.to_numpy(zero_copy_only=False).astype(info.dtype, copy=False)
+    if values.size != len(array) * math.prod(info.shape):
+        raise ValueError(f"column {info.name!r}: rows are not all of shape {list(info.shape)}")
+    return values.reshape(len(array), *info.shape)
 
 
 def _read_slice(fs, root: str, info: DatasetInfo, s: Slice) -> tuple:
     names = [c.name for c in (*info.features, info.label)]
     table = _read_piece(fs, root, info.pieces[s.piece], names).slice(s.start, s.stop - s.start)
-    return tuple(to_numpy(table.column(c.name), c) for c in (*info.features, info.label))
+    try:
+        return tuple(to_numpy(table.column(c.name), c) for c in (*info.features, info.label))
+    except ValueError as exc:
+        raise ValueError(f"{info.root}, {_where(info.pieces[s.piece])}: {exc}") from None
 
 
 def iter_shard(info: DatasetInfo, root: str, shard: list[Slice], read_ahead: int = 2) -> Iterator[tuple]:
@@ -333,10 +478,12 @@ def epoch_chunks(info: DatasetInfo, root: str, shard: list[Slice], epoch_rows: i
     while True:
         rng = np.random.default_rng([seed, epoch])
         if pad:
+            sample = None
             for chunk in _shuffled(info, root, shard, shuffle_buffer, rng, shard_rows(shard)):
+                sample = sample or chunk
                 yield (*chunk, np.ones(len(chunk[-1]), np.float32))
             if epoch_rows > shard_rows(shard):
-                yield _zero_rows(info, epoch_rows - shard_rows(shard))
+                yield _filler_rows(info, epoch_rows - shard_rows(shard), sample)
             epoch += 1
             continue
         needed = epoch_rows
@@ -367,14 +514,16 @@ def _shuffled(info: DatasetInfo, root: str, shard: list[Slice], shuffle_buffer: 
         yield _permuted(window, rng, shuffle_buffer > 0, limit=limit)
 
 
-def _zero_rows(info: DatasetInfo, n: int) -> tuple:
-    """n padding rows (zeros, empty strings) with weight 0."""
+def _filler_rows(info: DatasetInfo, n: int, sample: tuple | None) -> tuple:
+    """n padding rows with weight 0: copies of the first row of `sample` (a chunk of the shard), so they
+    go through decoding and preprocessing like real rows (an empty string is no image) and count for
+    nothing; zeros and empty strings when the shard has no rows at all."""
     import numpy as np
 
-    zeros = []
-    for c in (*info.features, info.label):
-        shape = (n,) if c.dim is None else (n, c.dim)
-        zeros.append(np.full(shape, b"", dtype=object) if c.dtype == "string" else np.zeros(shape, c.dtype))
+    if sample is not None and len(sample[-1]):
+        return (*(np.repeat(column[:1], n, axis=0) for column in sample), np.zeros(n, np.float32))
+    zeros = [np.full((n,), b"", dtype=object) if c.tf_dtype == "string" else np.zeros((n, *c.shape), c.dtype)
+             for c in (*info.features, info.label)]
     return (*zeros, np.zeros(n, np.float32))
 
 
@@ -393,9 +542,7 @@ def _permuted(window: list[tuple], rng, shuffle: bool, limit: int) -> tuple:
 def _signature(info: DatasetInfo, weight: bool = False):
     import tensorflow as tf
 
-    specs = tuple(tf.TensorSpec(shape=(None,) if c.dim is None else (None, c.dim),
-                                dtype=tf.string if c.dtype == "string" else c.dtype)
-                  for c in (*info.features, info.label))
+    specs = tuple(tf.TensorSpec(shape=(None, *c.shape), dtype=c.tf_dtype) for c in (*info.features, info.label))
     return specs + ((tf.TensorSpec(shape=(None,), dtype=tf.float32),) if weight else ())
 
 
@@ -422,20 +569,41 @@ def _packed(ds, info: DatasetInfo):
 
 
 def train_dataset(info: DatasetInfo, root: str, shard: list[Slice], batch_size: int, batches_per_epoch: int,
-                  shuffle_buffer: int, seed: int, first_epoch: int = 1, pad: bool = False, micro_batches: int = 1):
+                  shuffle_buffer: int, seed: int, first_epoch: int = 1, pad: bool = False, micro_batches: int = 1,
+                  examples=None, worker: int = 0):
     """This worker's training batches for all epochs, as one endless dataset: every epoch is exactly
     `batches_per_epoch` batches of `batch_size` rows (see epoch_chunks for the order and the remainder).
     One dataset and one iterator serve the whole run, so no epoch pays for building a pipeline. Chunks
     come from a Python generator (one call per shuffle window, not per row or batch) and are cut into
     batches by tf.data's `rebatch`, in C++. micro_batches K > 1 (gradient accumulation): each element
-    stacks K consecutive batches, [K, batch_size, ...] (batches_per_epoch is then a multiple of K)."""
+    stacks K consecutive batches, [K, batch_size, ...] (batches_per_epoch is then a multiple of K).
+    `examples` (raytf.actor.examples.Examples, for data.decode/preprocess/cache): rows go one by one
+    through its maps and are batched after; with a cache, the epoch is the next `batches_per_epoch`
+    batches of an endless stream of passes over the cached shard, shuffled within `shuffle_buffer`."""
+    import numpy as np
     import tensorflow as tf
 
     epoch_rows = batches_per_epoch * batch_size
-    ds = tf.data.Dataset.from_generator(
-        lambda: epoch_chunks(info, root, shard, epoch_rows, shuffle_buffer, seed, first_epoch, pad),
-        output_signature=_signature(info, weight=pad))
-    ds = _packed(ds.rebatch(batch_size, drop_remainder=True), info)
+    stream_seed = seed * 1000 + first_epoch  # a resumed run does not replay the first epoch's order
+    if examples is not None and examples.cache != "none":
+        # The cache keeps its first pass's order (row groups and windows shuffled, as epoch 1 would read
+        # them); every later pass is reshuffled within shuffle_buffer.
+        first_pass = lambda: _shuffled(info, root, shard, shuffle_buffer, np.random.default_rng([seed, first_epoch]),  # noqa: E731
+                                       shard_rows(shard))
+        rows = tf.data.Dataset.from_generator(first_pass, output_signature=_signature(info))
+        stream = examples.cached(examples.decoded(rows.unbatch(), weighted=False), f"train-{worker}").repeat()
+        if shuffle_buffer > 0:
+            stream = stream.shuffle(shuffle_buffer, seed=stream_seed)
+        ds = examples.prepared(stream, stream_seed, worker, weighted=False).batch(batch_size, drop_remainder=True)
+    else:
+        ds = tf.data.Dataset.from_generator(
+            lambda: epoch_chunks(info, root, shard, epoch_rows, shuffle_buffer, seed, first_epoch, pad),
+            output_signature=_signature(info, weight=pad))
+        if examples is not None:
+            rows = examples.decoded(ds.unbatch(), weighted=pad)
+            ds = examples.prepared(rows, stream_seed, worker, weighted=pad).batch(batch_size, drop_remainder=True)
+        else:
+            ds = _packed(ds.rebatch(batch_size, drop_remainder=True), info)
     if micro_batches > 1:
         ds = ds.batch(micro_batches, drop_remainder=True)
     # Endless, and said so: MultiWorkerMirrored then reads each worker's batch on its own, instead of
@@ -448,27 +616,34 @@ def padded_chunks(info: DatasetInfo, root: str, shard: list[Slice], total_rows: 
     """Every row of the shard once, with weight 1, then weight-0 rows up to `total_rows`."""
     import numpy as np
 
-    rows = 0
+    rows, sample = 0, None
     for arrays in iter_shard(info, root, shard):
         n = len(arrays[-1])
         rows += n
+        sample = sample or arrays
         yield (*arrays, np.ones(n, np.float32))
     pad = total_rows - rows
     if pad < 0:
         raise ValueError(f"{total_rows} rows cannot hold the shard's {rows}")
     if pad:
-        yield _zero_rows(info, pad)
+        yield _filler_rows(info, pad, sample)
 
 
 def eval_dataset(info: DatasetInfo, root: str, shard: list[Slice], batch_size: int, steps: int,
-                 repeat: bool = False):
+                 repeat: bool = False, examples=None, worker: int = 0):
     """Every row of the shard once, padded to exactly `steps` batches; padding rows carry weight 0,
     so every worker runs the same number of steps and no row is dropped or counted twice. With
-    `repeat`, the same `steps` batches again and again (one pipeline for every epoch's validation)."""
+    `repeat`, the same `steps` batches again and again (one pipeline for every epoch's validation).
+    `examples`: rows go through its maps one by one (a cache holds the decoded pass)."""
     import tensorflow as tf
 
     ds = tf.data.Dataset.from_generator(lambda: padded_chunks(info, root, shard, steps * batch_size),
                                         output_signature=_signature(info, weight=True))
+    if examples is not None:  # the same seeds every pass: validation sees the same examples each epoch
+        rows = examples.cached(examples.decoded(ds.unbatch(), weighted=True), f"validation-{worker}")
+        rows = examples.prepared(rows, 0, worker, weighted=True)
+        rows = rows.repeat() if repeat else rows
+        return rows.batch(batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
     if repeat:
         ds = ds.repeat()
     ds = ds.rebatch(batch_size, drop_remainder=True)
@@ -512,11 +687,13 @@ def write_records(info: DatasetInfo, root: str, shard: list[Slice], folder: str,
 
 
 def record_dataset(info: DatasetInfo, folder: str, batch_size: int, shuffle_buffer: int, seed: int,
-                   micro_batches: int = 1):
+                   micro_batches: int = 1, examples=None, worker=0):
     """A worker's records (under `folder`, relative to its working directory), endlessly: chunks in a
     new random order every pass, rows shuffled within `shuffle_buffer`, cut into batches. TF ops only.
     micro_batches K > 1 (gradient accumulation): each element is [batch_size, K, ...], micro-batch k
-    being [:, k]; batch-major, so a worker with several GPUs still splits the batch along axis 0."""
+    being [:, k]; batch-major, so a worker with several GPUs still splits the batch along axis 0.
+    `examples`: rows go through its maps one by one (`worker`: a tensor, this worker's index, for the
+    per-example seeds); a disk cache lives beside the records."""
     import tensorflow as tf
 
     def column(i, spec):
@@ -527,10 +704,17 @@ def record_dataset(info: DatasetInfo, folder: str, batch_size: int, shuffle_buff
     ds = tf.data.Dataset.zip(tuple(column(i, s) for i, s in enumerate(_signature(info))))
     if shuffle_buffer > 0:
         ds = ds.shuffle(1024, seed=seed, reshuffle_each_iteration=True)  # chunk order: the whole shard, up to 4M rows
-    ds = ds.repeat().unbatch()
+    if examples is not None and examples.cache != "none":
+        ds = examples.cached(examples.decoded(ds.unbatch(), weighted=False), f"{folder}/cache").repeat()
+    elif examples is not None:
+        ds = examples.decoded(ds.repeat().unbatch(), weighted=False)
+    else:
+        ds = ds.repeat().unbatch()
     if shuffle_buffer > 0:
         ds = ds.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
+    if examples is not None:
+        ds = examples.prepared(ds, seed, worker, weighted=False)
     if micro_batches > 1:
         ds = ds.batch(micro_batches, drop_remainder=True)
     ds = ds.batch(batch_size, drop_remainder=True)
-    return _packed(ds, info).prefetch(tf.data.AUTOTUNE)
+    return (ds if examples is not None else _packed(ds, info)).prefetch(tf.data.AUTOTUNE)

@@ -26,6 +26,20 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class DecodeSpec(_Strict):
+    """An encoded-image column (binary) decoded to a uint8 [height, width, channels] tensor."""
+
+    column: str
+    format: Literal["jpeg", "png"]
+    channels: Literal[1, 3, 4] = 3
+
+    @model_validator(mode="after")
+    def _channels_fit(self) -> "DecodeSpec":
+        if self.format == "jpeg" and self.channels == 4:
+            raise ValueError(f"data.decode: JPEG has no alpha channel; use channels: 3 (or 1) for {self.column!r}")
+        return self
+
+
 class DataSpec(_Strict):
     train: str
     validation: str | None = None
@@ -35,6 +49,39 @@ class DataSpec(_Strict):
     # as the order is reshuffled), or "pad" the batch with weight-0 rows so every row counts every epoch.
     remainder: Literal["drop", "pad"] = "drop"
     fill_nulls: dict[str, Union[float, int, str]] = Field(default_factory=dict)  # column -> value for nulls
+    # Per example, inside tf.data (num_parallel_calls=AUTOTUNE, order kept): decode image columns, then
+    # preprocess (module:function, TF ops only) maps the example dict (label included) to the dict the
+    # model trains on. Validation uses preprocess_validation, else preprocess (with training=False when it
+    # takes `training`). cache: keep the decoded rows in memory or on local disk after the first pass.
+    decode: list[DecodeSpec] = Field(default_factory=list)
+    preprocess: str | None = Field(default=None, pattern=FUNCTION_REF)
+    preprocess_validation: str | None = Field(default=None, pattern=FUNCTION_REF)
+    cache: Literal["none", "memory", "disk"] = "none"
+
+    @field_validator("decode", mode="before")
+    @classmethod
+    def _decode_as_list(cls, value):
+        return [value] if isinstance(value, Mapping) else value
+
+    @model_validator(mode="after")
+    def _examples_consistent(self) -> "DataSpec":
+        for d in self.decode:
+            if d.column not in self.features:
+                raise ValueError(f"data.decode: column {d.column!r} is not among data.features {self.features}; "
+                                 f"add it there")
+        if len({d.column for d in self.decode}) < len(self.decode):
+            raise ValueError("data.decode: a column is named twice")
+        if self.preprocess_validation is not None and self.preprocess is None:
+            raise ValueError("data.preprocess_validation needs data.preprocess (the training one)")
+        if self.cache != "none" and self.remainder == "pad":
+            raise ValueError("data.cache streams the cached rows pass after pass, which data.remainder: pad cannot "
+                             "count per epoch; use remainder: drop with a cache, or cache: none")
+        return self
+
+    @property
+    def per_example(self) -> bool:
+        """Whether rows go through the per-example path (decode, preprocess, cache) instead of whole batches."""
+        return bool(self.decode or self.preprocess or self.cache != "none")
 
 
 class LossSpec(_Strict):
@@ -400,6 +447,10 @@ class JobSpec(_Strict):
         if "saved_model" in self.output.export and self.data is None:
             raise ValueError("output.export: saved_model names the signature's inputs after data.features; it needs "
                              "data (Parquet), not dataset_fn; export keras only, or give data")
+        if "saved_model" in self.output.export and self.data.per_example:
+            raise ValueError("output.export: saved_model would take the raw columns, and raytf does not yet carry "
+                             "data.decode/data.preprocess into it; export keras (the model as trained, on "
+                             "preprocessed examples)")
         profile = self.output.profile
         if profile is not None:
             world = self.cluster.workers + (1 if self.strategy == "parameter_server" else 0)
@@ -486,8 +537,8 @@ def _describe_validation_error(exc: ValidationError, source: str) -> str:
             lines.append(f"{where}: missing; add it to the spec")
         elif err["type"] == "value_error":
             msg = err["msg"].removeprefix("Value error, ")
-            lines.append(f"{where}: {msg}" if where else msg)
-        elif err["type"] == "string_pattern_mismatch" and where in ("model", "dataset_fn", "train_fn"):
+            lines.append(f"{where}: {msg}" if where and not msg.startswith(f"{where}.") else msg)  # no "data: data.x"
+        elif err["type"] == "string_pattern_mismatch" and where in FUNCTION_KEYS:
             lines.append(f"{where}: {err['input']!r} is not a module:function name; write e.g. digits:build_model")
         elif err["type"] == "literal_error":
             lines.append(f"{where}: {err['input']!r} is not one of {err['ctx']['expected']}")
@@ -585,7 +636,7 @@ def load(source: "str | Path | Mapping[str, Any] | JobSpec | Job",
     spec = parse(apply_overrides(raw, overrides), name)
     job_dir = source.job_dir if start is None else job_folder(spec, start, name)
     for key in FUNCTION_KEYS:
-        ref = getattr(spec, key)
+        ref = function_ref(spec, key)
         if ref is not None:
             find_module(ref, job_dir, key)
     if spec.train_fn is not None:
@@ -603,6 +654,18 @@ def load(source: "str | Path | Mapping[str, Any] | JobSpec | Job",
             if path is not None:
                 job.datasets[split] = data.describe(job.data_path(path), spec.data.features, spec.data.label,
                                                     key=f"data.{split}", fill_nulls=spec.data.fill_nulls)
+                data.check_images(job.datasets[split], spec.data.decode, key=f"data.{split}")
+        undecoded = [c.name for c in job.datasets["train"].features
+                     if c.dtype == "bytes" and c.name not in {d.column for d in spec.data.decode}]
+        if undecoded and spec.data.preprocess is None:
+            raise SpecError(f"data.features: {undecoded} are binary (e.g. encoded images) and would reach the model "
+                            f"as raw bytes; decode them with data.decode: {{column: {undecoded[0]}, format: png|jpeg}} "
+                            f"or in data.preprocess")
+        validation = job.datasets.get("validation")
+        if validation is not None and spec.data.per_example and validation.num_rows < spec.cluster.workers:
+            raise SpecError(f"data.validation has {validation.num_rows} rows, fewer than cluster.workers "
+                            f"{spec.cluster.workers}; with data.decode/preprocess every worker needs a real row to "
+                            f"pad its validation batches with: use more validation rows or fewer workers")
         rows = job.datasets["train"].num_rows
         if rows < spec.cluster.workers:  # some worker would get no rows (under mirrored the batch check catches it)
             raise SpecError(f"data.train has {rows} rows, fewer than cluster.workers {spec.cluster.workers}: some "
@@ -624,14 +687,21 @@ def load(source: "str | Path | Mapping[str, Any] | JobSpec | Job",
     return job
 
 
-FUNCTION_KEYS = ("model", "dataset_fn", "train_fn")
+FUNCTION_KEYS = ("model", "dataset_fn", "train_fn", "data.preprocess", "data.preprocess_validation")
+
+
+def function_ref(spec: JobSpec, key: str) -> str | None:
+    """The module:function a FUNCTION_KEYS key names in `spec` (None: not set)."""
+    section, _, name = key.rpartition(".")
+    holder = getattr(spec, section) if section else spec
+    return getattr(holder, name) if holder is not None else None
 
 
 def check_job_code(job: Job) -> None:
     """The checks that import the job's code (and with it, usually, TensorFlow): each named function
     exists and is callable; the loss, optimizer and metric names are Keras's."""
     for key in FUNCTION_KEYS:
-        ref = getattr(job.spec, key)
+        ref = function_ref(job.spec, key)
         if ref is not None:
             resolve_function(ref, job.job_dir, key)
     _check_keras_names(job.spec)

@@ -65,8 +65,8 @@ def test_describe_reads_row_groups_and_column_types_from_metadata(dataset_dir):
     assert info.num_rows == 38
     assert [p.num_rows for p in info.pieces] == [4, 4, 2, 3, 7, 7, 7, 4]
     assert info.files == ["part-0.parquet", "part-1.parquet", "part-2.parquet"]
-    assert info.features == (data.Column("x", "float32", None), data.Column("vec", "float32", 3))
-    assert info.label == data.Column("y", "int64", None)
+    assert info.features == (data.Column("x", "float32"), data.Column("vec", "float32", (3,)))
+    assert info.label == data.Column("y", "int64")
 
 
 @pytest.mark.parametrize("path,features,label,message", [
@@ -139,7 +139,7 @@ def test_an_epoch_longer_than_the_shard_rereads_it(dataset_dir, shuffle_buffer):
 
 def test_nulls_are_reported_with_the_column_name():
     with pytest.raises(ValueError, match="column 'x' has 1 null"):
-        data.to_numpy(pa.array([1.0, None]), data.Column("x", "float32", None))
+        data.to_numpy(pa.array([1.0, None]), data.Column("x", "float32"))
 
 
 def test_globs_and_file_uris_find_the_same_rows(dataset_dir):

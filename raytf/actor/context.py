@@ -29,8 +29,11 @@ class WorkerPayload:
     resume_from: CheckpointInfo | None = None
 
     def function(self, key: str) -> Callable:
-        """Import spec.<key> (`module:function`) inside the actor; its working dir is the job folder."""
-        module_name, _, func_name = getattr(self.spec, key).partition(":")
+        """Import spec.<key> (`module:function`; key as in spec.FUNCTION_KEYS, e.g. data.preprocess) inside the
+        actor; its working dir is the job folder."""
+        from raytf.spec import function_ref
+
+        module_name, _, func_name = function_ref(self.spec, key).partition(":")
         return getattr(importlib.import_module(module_name), func_name)
 
 

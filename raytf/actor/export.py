@@ -10,7 +10,7 @@ model works as well as a functional one.
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import Any, Callable
 
 import keras
 import tensorflow as tf
@@ -36,17 +36,15 @@ def write(model: keras.Model, payload, staging_dir: str, plain: bool = False) ->
         if features is None:
             raise ValueError("output.export: saved_model needs data (Parquet): the signature is named after "
                              "its feature columns")
-        servable = model if plain else plain_copy(payload.function("model"), model.get_weights(), features)
+        servable = model if plain else plain_copy(payload.function("model"), model.get_weights(), payload)
         saved_model(servable, features, os.path.join(staging_dir, SAVED_MODEL_DIR))
         out["saved_model"] = SAVED_MODEL_DIR
     return out
 
 
 def input_specs(features: tuple[Column, ...]) -> dict[str, tf.TensorSpec]:
-    """One TensorSpec per feature column, named after it: (None,) for a scalar, (None, dim) for a vector."""
-    return {c.name: tf.TensorSpec((None,) if c.dim is None else (None, c.dim),
-                                  tf.string if c.dtype == "string" else tf.as_dtype(c.dtype), name=c.name)
-            for c in features}
+    """One TensorSpec per feature column, named after it: (None, *the row's shape)."""
+    return {c.name: tf.TensorSpec((None, *c.shape), tf.as_dtype(c.tf_dtype), name=c.name) for c in features}
 
 
 def model_input(features: tuple[Column, ...], inputs: dict[str, tf.Tensor]):
@@ -59,11 +57,24 @@ def zero_row(features: tuple[Column, ...]) -> dict[str, tf.Tensor]:
     return {name: tf.zeros([1, *spec.shape[1:]], spec.dtype) for name, spec in input_specs(features).items()}
 
 
-def plain_copy(build: Callable[[], keras.Model], weights: list, features: tuple[Column, ...]) -> keras.Model:
-    """A fresh model with `weights`, outside any strategy; called once on one zero row first, so a
-    subclassed model has its variables."""
+def sample_input(payload) -> Any:
+    """One row as the model takes it: zeros shaped like the feature columns, or, when rows go through
+    data.decode/preprocess, the first training row through them (their output shapes are theirs to say)."""
+    features = payload.train_data.features
+    if not payload.spec.data.per_example:
+        return model_input(features, zero_row(features))
+    from raytf import data
+    from raytf.actor.examples import Examples
+
+    rows = next(data.iter_shard(payload.train_data, payload.train_root, [data.Slice(0, 0, 1)]))
+    return Examples(payload, payload.train_data, training=False).model_input(rows)
+
+
+def plain_copy(build: Callable[[], keras.Model], weights: list, payload) -> keras.Model:
+    """A fresh model with `weights`, outside any strategy; called once on one row first, so a subclassed
+    model has its variables."""
     model = build()
-    model(model_input(features, zero_row(features)), training=False)
+    model(sample_input(payload), training=False)
     model.set_weights(weights)
     return model
 

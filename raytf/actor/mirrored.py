@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from raytf import data
 from raytf.actor import export, loop
+from raytf.actor.examples import Examples
 from raytf.actor import steps as steps_lib
 from raytf.actor.context import TaskContext, WorkerPayload
 
@@ -74,7 +75,8 @@ class MirroredRunner:
             raise ValueError(f"train.global_batch_size {global_batch} is not divisible by the {replicas} replicas "
                              f"TensorFlow found ({local_replicas} per worker)")
         self.replicas = replicas
-        self.plan = InputPlan(payload, ctx.world_size, global_batch // replicas, local_replicas)
+        self.plan = InputPlan(payload, ctx.world_size, global_batch // replicas, local_replicas,
+                              cache_dir=ctx.staging_dir + ".cache")
         self.steps = self.plan.steps
         self.model, self.optimizer, _ = steps_lib.build_model(payload, strategy, self.steps)
         self.state = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer)
@@ -167,9 +169,12 @@ class InputPlan:
     """Steps per epoch and the per-worker input functions, from the Parquet metadata (raytf's loop, and a
     train_fn's ctx.dataset)."""
 
-    def __init__(self, payload: WorkerPayload, world_size: int, per_replica: int, local_replicas: int):
+    def __init__(self, payload: WorkerPayload, world_size: int, per_replica: int, local_replicas: int,
+                 cache_dir: str | None = None):
+        """cache_dir: this task's folder for data.cache: disk."""
         spec = payload.spec
         self.payload, self.per_replica, self.local_replicas = payload, per_replica, local_replicas
+        self.cache_dir = cache_dir
         self.shuffle_buffer = spec.train.shuffle_buffer
         self.micro_batches = spec.train.accumulation_steps
         per_worker = per_replica * local_replicas
@@ -197,7 +202,9 @@ class InputPlan:
             shard = self.train_shards[input_context.input_pipeline_id]
             ds = data.train_dataset(p.train_data, p.train_root, shard, self.per_replica,
                                     self.steps * self.local_replicas * self.micro_batches, self.shuffle_buffer,
-                                    seed, first_epoch=first_epoch, pad=self.pad, micro_batches=self.micro_batches)
+                                    seed, first_epoch=first_epoch, pad=self.pad, micro_batches=self.micro_batches,
+                                    examples=self._examples(p.train_data, training=True),
+                                    worker=input_context.input_pipeline_id)
             return ds.skip(skip_batches * self.local_replicas) if skip_batches else ds
 
         return dataset_fn
@@ -209,9 +216,17 @@ class InputPlan:
         def dataset_fn(input_context: tf.distribute.InputContext):
             shard = self.val_shards[input_context.input_pipeline_id]
             return data.eval_dataset(p.val_data, p.val_root, shard, self.per_replica,
-                                     self.val_steps * self.local_replicas, repeat=repeat)
+                                     self.val_steps * self.local_replicas, repeat=repeat,
+                                     examples=self._examples(p.val_data, training=False),
+                                     worker=input_context.input_pipeline_id)
 
         return dataset_fn
+
+    def _examples(self, info: data.DatasetInfo, training: bool) -> Examples | None:
+        """The per-example maps (data.decode/preprocess/cache), when the spec asks for them."""
+        if not self.payload.spec.data.per_example:
+            return None
+        return Examples(self.payload, info, training, self.cache_dir)
 
 
 def _micro_batched(dataset_fn, micro_batches: int):

@@ -64,7 +64,8 @@ class OwnLoop:
         self.plan = None
         if payload.train_data is not None:  # the same plan as raytf's loop: shards, steps, batches
             local_replicas = len(strategy.extended.worker_devices)
-            self.plan = InputPlan(payload, ctx.world_size, ctx.per_replica_batch_size, local_replicas)
+            self.plan = InputPlan(payload, ctx.world_size, ctx.per_replica_batch_size, local_replicas,
+                                  cache_dir=ctx.staging_dir + ".cache")
             ctx.steps_per_epoch = self.plan.steps
             ctx.validation_steps = self.plan.val_steps or None
         self.restored_files: list[str] = []  # checkpoints read, kept until the loop ends (deferred restores)

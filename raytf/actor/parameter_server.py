@@ -36,6 +36,7 @@ from raytf import data
 from raytf.actor import export, loop
 from raytf.actor import steps as steps_lib
 from raytf.actor.context import TaskContext, WorkerPayload
+from raytf.actor.examples import Examples
 from raytf.checkpoint import CheckpointInfo, Storage
 from raytf.spec import JobSpec, PartitionerSpec
 
@@ -177,11 +178,15 @@ class ParameterServerRunner:
         info = payload.train_data
         first_epoch = payload.resume_from.epoch if payload.resume_from else 1
         seed = spec.train.seed + first_epoch  # a resumed run does not replay the same order
+        # data.decode/preprocess/cache: traced here, on the chief, and run as a graph on each worker
+        examples = Examples(payload, info, training=True) if spec.data.per_example else None
+
         def worker_dataset():
-            batches = data.record_dataset(info, f"{data.RECORDS_DIR}/train", global_batch, spec.train.shuffle_buffer,
-                                          seed, micro_batches=spec.train.accumulation_steps)
             # Runs on each worker: its own index file, so every step says which worker ran it.
             index = tf.strings.to_number(tf.io.read_file(WORKER_INDEX_FILE), tf.int32)
+            batches = data.record_dataset(info, f"{data.RECORDS_DIR}/train", global_batch, spec.train.shuffle_buffer,
+                                          seed, micro_batches=spec.train.accumulation_steps, examples=examples,
+                                          worker=index)
             return tf.data.Dataset.zip((batches, tf.data.Dataset.from_tensors(index).repeat()))
 
         per_worker = coordinator.create_per_worker_dataset(worker_dataset)
@@ -219,7 +224,8 @@ class ParameterServerRunner:
             return eval_acc.delta(y, pred, loss_fn(y, pred), weight=w)
 
         self._train_step, self._eval_step = train_step, eval_step
-        self._validate = _validation(payload, global_batch) if not spec.cluster.evaluator else None
+        self._validate = _validation(payload, global_batch, ctx.staging_dir + ".cache") \
+            if not spec.cluster.evaluator else None
         self.validates = self._validate is not None
         self._in_flight = IN_FLIGHT_PER_WORKER * spec.cluster.workers
         self._totals = np.zeros(sum(train_acc.sizes), np.float64)
@@ -288,8 +294,7 @@ class ParameterServerRunner:
 
     def finish(self) -> dict[str, Any]:
         # outside the strategy: ordinary variables on the chief (a subclassed model built first)
-        plain = export.plain_copy(self.payload.function("model"), self.model.get_weights(),
-                                  self.payload.train_data.features)
+        plain = export.plain_copy(self.payload.function("model"), self.model.get_weights(), self.payload)
         exports = export.write(plain, self.payload, self.ctx.staging_dir, plain=True)
         return {"exports": exports, "weights_digest": steps_lib.weights_digest(plain), "replicas": self.strategy.num_replicas_in_sync,
                 "variable_devices": variable_devices(self.model), "recovered_workers": self.recoveries.recovered}
@@ -327,7 +332,11 @@ def _fetch(remote):
         return None
 
 
-def _validation(payload: WorkerPayload, batch: int):
+def _val_examples(payload: WorkerPayload, cache_dir: str) -> Examples | None:
+    return Examples(payload, payload.val_data, False, cache_dir) if payload.spec.data.per_example else None
+
+
+def _validation(payload: WorkerPayload, batch: int, cache_dir: str):
     """A function running eval_step over every validation row once, on the chief; returns the sums."""
     if payload.val_data is None:
         return None
@@ -335,7 +344,8 @@ def _validation(payload: WorkerPayload, batch: int):
     shard = data.plan_shards([p.num_rows for p in info.pieces], 1)[0]
     steps = max(1, math.ceil(info.num_rows / batch))
     with tf.device(CHIEF_DEVICE):
-        dataset = data.eval_dataset(info, payload.val_root, shard, batch, steps, repeat=True)
+        dataset = data.eval_dataset(info, payload.val_root, shard, batch, steps, repeat=True,
+                                    examples=_val_examples(payload, cache_dir))
         iterator = iter(dataset)
 
     def validate(eval_step) -> np.ndarray:
@@ -365,7 +375,8 @@ def run_evaluator(payload: WorkerPayload, ctx: TaskContext) -> dict[str, Any]:
     batch = spec.train.global_batch_size
     shard = data.plan_shards([p.num_rows for p in info.pieces], 1)[0]
     val_steps = max(1, math.ceil(info.num_rows / batch))
-    iterator = iter(data.eval_dataset(info, payload.val_root, shard, batch, val_steps, repeat=True))
+    iterator = iter(data.eval_dataset(info, payload.val_root, shard, batch, val_steps, repeat=True,
+                                      examples=_val_examples(payload, ctx.staging_dir + ".cache")))
 
     @tf.function
     def eval_step(x, y, w):

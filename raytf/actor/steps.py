@@ -74,7 +74,7 @@ def build_variables(model: keras.Model, payload) -> None:
                          f"on a batch in the model function, or start it with keras.Input")
     from raytf.actor import export
 
-    model(export.model_input(payload.train_data.features, export.zero_row(payload.train_data.features)), training=False)
+    model(export.sample_input(payload), training=False)
 
 
 def build_optimizer(spec: JobSpec, steps_per_epoch: int) -> keras.optimizers.Optimizer:

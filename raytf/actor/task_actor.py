@@ -102,7 +102,10 @@ class TaskActor:
 
     def train(self, payload: WorkerPayload) -> dict[str, Any]:
         started = time.time()
-        outcome = self._backend.train(self._started, self._task, payload, self._ctx)
+        try:
+            outcome = self._backend.train(self._started, self._task, payload, self._ctx)
+        finally:  # data.cache: disk, decoded rows (maybe gigabytes), also when training failed
+            shutil.rmtree(self._staging + ".cache", ignore_errors=True)
         outcome.update(rank=self._ctx.rank, started_at=started, finished_at=time.time(),
                        first_step_at=self._ctx.first_step_at)
         outcome["artifacts"] = _collect(self._staging)  # the chief's model and events; any rank's profile

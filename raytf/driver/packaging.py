@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from raytf.errors import SpecError
-from raytf.spec import Job, modules_outside
+from raytf.spec import FUNCTION_KEYS, Job, function_ref, modules_outside
 
 MAX_PACKAGE_BYTES = 100 * 1024 ** 2  # a job folder larger than this belongs in storage every node reads
 ALWAYS_EXCLUDED = [".git", "__pycache__"]
@@ -39,7 +39,7 @@ def excludes_for(job: Job) -> list[str]:
 def runtime_env(job: Job) -> dict[str, Any]:
     """The job folder travels to every actor as its working directory; modules found only in the
     driver's working directory travel as py_modules. Outputs stay behind."""
-    extra_modules = modules_outside(job.job_dir, [job.spec.model, job.spec.dataset_fn, job.spec.train_fn])
+    extra_modules = modules_outside(job.job_dir, [function_ref(job.spec, key) for key in FUNCTION_KEYS])
     env_vars = {"TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
     if job.spec.train.keras == "legacy":  # tf.keras is tf-keras (Keras 2) in every actor
         env_vars["TF_USE_LEGACY_KERAS"] = "1"
@@ -91,7 +91,7 @@ def check_size(folder: Path, excludes: list[str], limit: int = MAX_PACKAGE_BYTES
 def check_job_folder(job: Job) -> None:
     """Before anything starts: the job folder (and any module that travels beside it) is small enough."""
     check_size(job.job_dir, excludes_for(job))
-    for module in modules_outside(job.job_dir, [job.spec.model, job.spec.dataset_fn, job.spec.train_fn]):
+    for module in modules_outside(job.job_dir, [function_ref(job.spec, key) for key in FUNCTION_KEYS]):
         check_size(Path(module), list(ALWAYS_EXCLUDED))
 
 

@@ -1,0 +1,124 @@
+"""Images and tensors in real jobs: the CNN example job (PNG bytes in Parquet, decoded and augmented in
+tf.data) run the way users run it, and a tensor column through a preprocess function on every
+MultiWorkerMirrored worker and on every parameter-server worker."""
+import glob
+import json
+import shutil
+
+import numpy as np
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from raytf.driver.controller import run
+from raytf.errors import TrainingFailed
+from raytf.spec import load
+from tests.conftest import REPO, assert_nothing_left, write_job
+from tests.test_user_paths import assert_quiet, files_under, run_cli
+
+pytestmark = pytest.mark.timeout(420)
+
+
+def test_the_cnn_job_trains_on_two_workers_to_identical_weights(tmp_path):
+    """jobs/shapes.yaml from inside a copy of jobs/, on the embedded local Ray."""
+    jobs = tmp_path / "jobs"
+    shutil.copytree(REPO / "jobs", jobs, ignore=shutil.ignore_patterns("__pycache__", "criteo-*"))
+    before = files_under(jobs)
+    proc = run_cli(["run", "shapes.yaml", "--set", "train.epochs=6"], cwd=jobs, timeout=400,
+                   extra_env={"PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "runs" / "shapes" / "result.json").read_text())
+    history = result["history"]
+    assert history[-1]["loss"] < history[0]["loss"] / 3
+    assert history[-1]["val_accuracy"] >= 0.9 and history[-1]["val_examples"] == 480  # trained, every picture once
+    assert len({t["weights_digest"] for t in result["tasks"]}) == 1 and len(result["tasks"]) == 2
+    assert files_under(jobs) == before  # nothing new in the job folder
+    assert_quiet(proc)
+
+
+TENSOR_MODEL = '''
+import keras
+import tensorflow as tf
+
+
+def build_model():
+    return keras.Sequential([keras.Input(shape=(8, 8, 1)), keras.layers.Conv2D(8, 3, activation="relu"),
+                             keras.layers.Flatten(), keras.layers.Dense(10)])
+
+
+def unshift(example):
+    """The stored labels are the digit + 10: a worker whose examples skipped this would fail the loss. The
+    pixels come as the tensor column, or decoded from the PNG column."""
+    pixels = tf.cast(example["png"], tf.float32) / 255.0 if "png" in example else example["pixels"]
+    return {"pixels": pixels, "label": example["label"] - 10}
+
+
+def broken(example):
+    return {"pixels": example["pixels"].numpy(), "label": example["label"]}
+'''
+
+
+@pytest.fixture(scope="module")
+def tensor_job(tmp_path_factory):
+    """Digits as an 8x8x1 tensor column (Arrow's fixed_shape_tensor) and as PNG bytes, labels shifted by 10."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "jobs"))
+    from make_shapes import png
+
+    folder = tmp_path_factory.mktemp("tensors")
+    (folder / "tensormodel.py").write_text(TENSOR_MODEL)
+    for split in ("train", "test"):
+        table = pq.read_table(REPO / "jobs" / "data" / f"digits-{split}.parquet")
+        pixels = table.column("pixels").combine_chunks()
+        tensor = pa.ExtensionArray.from_storage(pa.fixed_shape_tensor(pa.float32(), (8, 8, 1)), pixels)
+        grey = np.round(pixels.flatten().to_numpy().reshape(-1, 8, 8, 1) * 255).astype(np.uint8)
+        encoded = pa.array([png(np.repeat(g, 3, axis=-1)) for g in grey], pa.binary())
+        labels = pa.array(table.column("label").to_numpy() + 10)
+        pq.write_table(pa.table({"pixels": tensor, "png": encoded, "label": labels}), folder / f"{split}.parquet",
+                       row_group_size=300)
+    return folder
+
+
+def tensor_spec(folder, strategy, preprocess="tensormodel:unshift"):
+    """Mirrored: the tensor column, cached on disk; parameter servers: the PNG column decoded, cached in memory."""
+    cluster = {"workers": 2, "cpus_per_worker": 0.5, "reserve_timeout_s": 30}
+    columns = {"features": ["pixels"], "cache": "disk"}
+    if strategy == "parameter_server":
+        cluster.update(ps=1, cpus_per_ps=0.25, cpus_per_chief=0.25)
+        columns = {"features": ["png"], "decode": {"column": "png", "format": "png", "channels": 1}, "cache": "memory"}
+    return {"name": f"tensors-{strategy}", "strategy": strategy, "model": "tensormodel:build_model",
+            "data": {"train": "train.parquet", "validation": "test.parquet", "label": "label",
+                     "preprocess": preprocess, **columns},
+            "loss": {"name": "sparse_categorical_crossentropy", "from_logits": True},
+            "optimizer": {"name": "adam", "learning_rate": 0.01}, "metrics": ["accuracy"],
+            "train": {"epochs": 2, "global_batch_size": 64, "seed": 0}, "cluster": cluster,
+            "output": {"tensorboard": False}}
+
+
+@pytest.mark.parametrize("strategy", ["mirrored", "parameter_server"])
+def test_a_tensor_column_goes_through_the_preprocess_function_on_every_worker(cluster, tensor_job, strategy):
+    caches_before = set(glob.glob("/tmp/raytf-task-*.cache"))
+    result = run(load(write_job(tensor_job, tensor_spec(tensor_job, strategy), name=f"{strategy}.yaml")))
+    assert result.status == "succeeded"
+    assert set(glob.glob("/tmp/raytf-task-*.cache")) <= caches_before  # the disk cache went with its task
+    losses = [h["loss"] for h in result.history]
+    assert losses[-1] < losses[0] and result.history[-1]["val_accuracy"] > 0.8
+    assert result.history[-1]["val_examples"] == 360
+    if strategy == "mirrored":
+        assert len({t["weights_digest"] for t in result.tasks}) == 1
+    else:  # the workers ran the chief's steps, their pipelines holding the preprocess function
+        assert [t["role"] for t in result.tasks] == ["chief", "ps", "worker", "worker"]
+    assert_nothing_left()
+
+
+def test_a_preprocess_function_that_cannot_be_traced_fails_before_training_naming_it(cluster, tensor_job):
+    spec = {**tensor_spec(tensor_job, "mirrored", "tensormodel:broken"), "name": "tensors-broken"}
+    job = load(write_job(tensor_job, spec, name="broken.yaml"))
+    with pytest.raises(TrainingFailed, match=r"data.preprocess tensormodel:broken cannot run inside tf.data "
+                                             r"\(AttributeError: .*numpy.*\); it runs as a TensorFlow graph") as failed:
+        run(job)
+    saved = json.loads((tensor_job / "runs" / "tensors-broken" / "result.json").read_text())
+    assert saved["status"] == "failed" and saved["history"] == [] and saved["restarts"] == []  # no step, no retry
+    assert_nothing_left()
