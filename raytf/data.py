@@ -600,8 +600,8 @@ def train_dataset(info: DatasetInfo, root: str, shard: list[Slice], batch_size: 
             lambda: epoch_chunks(info, root, shard, epoch_rows, shuffle_buffer, seed, first_epoch, pad),
             output_signature=_signature(info, weight=pad))
         if examples is not None:
-            rows = examples.decoded(ds.unbatch(), weighted=pad)
-            ds = examples.prepared(rows, stream_seed, worker, weighted=pad).batch(batch_size, drop_remainder=True)
+            ds = examples.prepared(ds.unbatch(), stream_seed, worker, weighted=pad, decode=True).batch(
+                batch_size, drop_remainder=True)
         else:
             ds = _packed(ds.rebatch(batch_size, drop_remainder=True), info)
     if micro_batches > 1:
@@ -640,8 +640,11 @@ def eval_dataset(info: DatasetInfo, root: str, shard: list[Slice], batch_size: i
     ds = tf.data.Dataset.from_generator(lambda: padded_chunks(info, root, shard, steps * batch_size),
                                         output_signature=_signature(info, weight=True))
     if examples is not None:  # the same seeds every pass: validation sees the same examples each epoch
-        rows = examples.cached(examples.decoded(ds.unbatch(), weighted=True), f"validation-{worker}")
-        rows = examples.prepared(rows, 0, worker, weighted=True)
+        if examples.cache == "none":
+            rows = examples.prepared(ds.unbatch(), 0, worker, weighted=True, decode=True)
+        else:
+            rows = examples.cached(examples.decoded(ds.unbatch(), weighted=True), f"validation-{worker}")
+            rows = examples.prepared(rows, 0, worker, weighted=True)
         rows = rows.repeat() if repeat else rows
         return rows.batch(batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
     if repeat:
@@ -704,16 +707,15 @@ def record_dataset(info: DatasetInfo, folder: str, batch_size: int, shuffle_buff
     ds = tf.data.Dataset.zip(tuple(column(i, s) for i, s in enumerate(_signature(info))))
     if shuffle_buffer > 0:
         ds = ds.shuffle(1024, seed=seed, reshuffle_each_iteration=True)  # chunk order: the whole shard, up to 4M rows
-    if examples is not None and examples.cache != "none":
+    cached = examples is not None and examples.cache != "none"
+    if cached:
         ds = examples.cached(examples.decoded(ds.unbatch(), weighted=False), f"{folder}/cache").repeat()
-    elif examples is not None:
-        ds = examples.decoded(ds.repeat().unbatch(), weighted=False)
     else:
         ds = ds.repeat().unbatch()
     if shuffle_buffer > 0:
         ds = ds.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
-    if examples is not None:
-        ds = examples.prepared(ds, seed, worker, weighted=False)
+    if examples is not None:  # rows shuffled before decoding: the shuffle buffer holds the small encoded bytes
+        ds = examples.prepared(ds, seed, worker, weighted=False, decode=not cached)
     if micro_batches > 1:
         ds = ds.batch(micro_batches, drop_remainder=True)
     ds = ds.batch(batch_size, drop_remainder=True)

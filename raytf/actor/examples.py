@@ -46,6 +46,9 @@ class Examples:
     # ---------------------------------------------------------------- the maps
     def decoded(self, rows: tf.data.Dataset, weighted: bool) -> tf.data.Dataset:
         """Rows (column tuples[, weight]) -> (example dict[, weight]), image columns decoded."""
+        return rows.map(self._to_example(weighted), num_parallel_calls=AUTOTUNE, deterministic=True)
+
+    def _to_example(self, weighted: bool) -> Callable:
         names, decode = self.names, self.decode
 
         def to_example(*columns):
@@ -57,7 +60,7 @@ class Examples:
                 example[name] = value
             return (example, columns[len(names)]) if weighted else example
 
-        return rows.map(to_example, num_parallel_calls=AUTOTUNE, deterministic=True)
+        return to_example
 
     def cached(self, examples: tf.data.Dataset, name: str) -> tf.data.Dataset:
         """data.cache: in memory, or in files named `name` (under cache_dir) on the local disk."""
@@ -70,13 +73,19 @@ class Examples:
             name = os.path.join(self.cache_dir, name)
         return examples.cache(name)
 
-    def prepared(self, examples: tf.data.Dataset, seed: int, worker: Any, weighted: bool) -> tf.data.Dataset:
-        """(example[, weight]) -> (x, y[, weight]) through the preprocess function."""
+    def prepared(self, examples: tf.data.Dataset, seed: int, worker: Any, weighted: bool,
+                 decode: bool = False) -> tf.data.Dataset:
+        """(example[, weight]) -> (x, y[, weight]) through the preprocess function. `decode`: the elements
+        are still rows (column tuples[, weight]), decoded in the same map (one map is cheaper than two:
+        measured in benchmarks/bench_images.py)."""
         fn, takes, label, training, ref = self.fn, self.takes, self.label, self.training, self.ref
+        to_example = self._to_example(weighted) if decode else None
         stream = tf.stack([tf.cast(seed, tf.int64), tf.cast(worker, tf.int64)])
         wrong: list[str] = []  # what was wrong with its output (autograph re-raises errors as its own)
 
         def prepare(index, element):
+            if to_example is not None:
+                element = to_example(*element)
             example, weight = element if weighted else (element, None)
             if fn is not None:
                 kwargs = {}
@@ -109,8 +118,8 @@ class Examples:
     def model_input(self, rows: tuple) -> Any:
         """The model's input for `rows` (column arrays, as the reader yields them): decoded and preprocessed
         like validation rows, batched. Builds a subclassed model, or a serving copy."""
-        ds = self.decoded(tf.data.Dataset.from_tensor_slices(tuple(rows)), weighted=False)
-        x, _ = next(iter(self.prepared(ds, 0, 0, weighted=False).batch(len(rows[0]))))
+        ds = tf.data.Dataset.from_tensor_slices(tuple(rows))
+        x, _ = next(iter(self.prepared(ds, 0, 0, weighted=False, decode=True).batch(len(rows[0]))))
         return x
 
 
