@@ -15,9 +15,10 @@ from raytf.driver.controller import run
 from raytf.errors import TrainingFailed
 from raytf.spec import load
 from tests.conftest import REPO, assert_nothing_left, write_job
+from tests.test_parameter_server import CHIEF_CRASHED
 from tests.test_user_paths import assert_quiet, files_under, run_cli
 
-pytestmark = pytest.mark.timeout(420)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(420), pytest.mark.flaky(reruns=1, only_rerun=[CHIEF_CRASHED])]
 
 
 def test_the_cnn_job_trains_on_two_workers_to_identical_weights(tmp_path):
