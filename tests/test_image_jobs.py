@@ -26,7 +26,7 @@ def test_the_cnn_job_trains_on_two_workers_to_identical_weights(tmp_path):
     jobs = tmp_path / "jobs"
     shutil.copytree(REPO / "jobs", jobs, ignore=shutil.ignore_patterns("__pycache__", "criteo-*"))
     before = files_under(jobs)
-    proc = run_cli(["run", "shapes.yaml", "--set", "train.epochs=6"], cwd=jobs, timeout=400,
+    proc = run_cli(["run", "shapes.yaml", "--set", "train.epochs=5"], cwd=jobs, timeout=400,
                    extra_env={"PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "runs" / "shapes" / "result.json").read_text())
