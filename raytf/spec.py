@@ -447,10 +447,6 @@ class JobSpec(_Strict):
         if "saved_model" in self.output.export and self.data is None:
             raise ValueError("output.export: saved_model names the signature's inputs after data.features; it needs "
                              "data (Parquet), not dataset_fn; export keras only, or give data")
-        if "saved_model" in self.output.export and self.data.per_example:
-            raise ValueError("output.export: saved_model would take the raw columns, and raytf does not yet carry "
-                             "data.decode/data.preprocess into it; export keras (the model as trained, on "
-                             "preprocessed examples)")
         profile = self.output.profile
         if profile is not None:
             world = self.cluster.workers + (1 if self.strategy == "parameter_server" else 0)

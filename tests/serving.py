@@ -19,7 +19,7 @@ def feed_of(path: str, features: list[str], label: str, fill_nulls: dict | None 
     out = {}
     for column in info.features:
         values = data.to_numpy(table.column(column.name), column)
-        out[column.name] = values.astype("S") if column.dtype == "string" else values
+        out[column.name] = values.astype("S") if column.dtype in ("string", "bytes") else values
     return out
 
 

@@ -5,6 +5,7 @@ import glob
 import json
 import shutil
 
+import keras
 import numpy as np
 
 import pyarrow as pa
@@ -15,6 +16,7 @@ from raytf.driver.controller import run
 from raytf.errors import TrainingFailed
 from raytf.spec import load
 from tests.conftest import REPO, assert_nothing_left, write_job
+from tests.serving import feed_of, serve_in_a_fresh_process
 from tests.test_parameter_server import CHIEF_CRASHED
 from tests.test_user_paths import assert_quiet, files_under, run_cli
 
@@ -86,20 +88,23 @@ def tensor_spec(folder, strategy, preprocess="tensormodel:unshift"):
     """Mirrored: the tensor column, cached on disk; parameter servers: the PNG column decoded, cached in memory."""
     cluster = {"workers": 2, "cpus_per_worker": 0.5, "reserve_timeout_s": 30}
     columns = {"features": ["pixels"], "cache": "disk"}
+    export = ["keras"]
     if strategy == "parameter_server":
         cluster.update(ps=1, cpus_per_ps=0.25, cpus_per_chief=0.25)
         columns = {"features": ["png"], "decode": {"column": "png", "format": "png", "channels": 1}, "cache": "memory"}
+        export = ["keras", "saved_model"]
     return {"name": f"tensors-{strategy}", "strategy": strategy, "model": "tensormodel:build_model",
             "data": {"train": "train.parquet", "validation": "test.parquet", "label": "label",
                      "preprocess": preprocess, **columns},
             "loss": {"name": "sparse_categorical_crossentropy", "from_logits": True},
             "optimizer": {"name": "adam", "learning_rate": 0.01}, "metrics": ["accuracy"],
             "train": {"epochs": 2, "global_batch_size": 64, "seed": 0}, "cluster": cluster,
-            "output": {"tensorboard": False}}
+            "output": {"tensorboard": False, "export": export}}
 
 
 @pytest.mark.parametrize("strategy", ["mirrored", "parameter_server"])
-def test_a_tensor_column_goes_through_the_preprocess_function_on_every_worker(cluster, tensor_job, strategy):
+def test_a_tensor_column_goes_through_the_preprocess_function_on_every_worker(cluster, tensor_job, strategy,
+                                                                              tmp_path):
     caches_before = set(glob.glob("/tmp/raytf-task-*.cache"))
     result = run(load(write_job(tensor_job, tensor_spec(tensor_job, strategy), name=f"{strategy}.yaml")))
     assert result.status == "succeeded"
@@ -111,6 +116,16 @@ def test_a_tensor_column_goes_through_the_preprocess_function_on_every_worker(cl
         assert len({t["weights_digest"] for t in result.tasks}) == 1
     else:  # the workers ran the chief's steps, their pipelines holding the preprocess function
         assert [t["role"] for t in result.tasks] == ["chief", "ps", "worker", "worker"]
+        # the SavedModel takes the PNG bytes and decodes and preprocesses inside: as the trained model scores
+        feed = feed_of(str(tensor_job / "test.parquet"), ["png"], "label")
+        feed = {"png": feed["png"][:64]}
+        served, info = serve_in_a_fresh_process(result.exports["saved_model"], feed, tmp_path)
+        assert info == {"raytf_imported": False, "inputs": ["png"], "outputs": ["output"]}
+        import tensorflow as tf
+
+        pixels = np.stack([tf.io.decode_png(b, channels=1).numpy() for b in feed["png"]]).astype(np.float32) / 255
+        expected = keras.models.load_model(result.model_path)(pixels, training=False)
+        np.testing.assert_allclose(served, keras.ops.convert_to_numpy(expected), rtol=1e-4, atol=1e-4)
     assert_nothing_left()
 
 

@@ -269,3 +269,29 @@ def test_jpeg_columns_decode_too(tmp_path):
                            examples=Examples(payload, info, False))
     x, y, w = next(iter(ds))
     assert x.shape == (4, 16, 24, 1) and abs(int(x[0, 0, 0, 0]) - 200) < 8 and int(x[0, 0, 23, 0]) < 8
+
+
+def test_a_saved_model_takes_the_raw_columns_and_decodes_and_preprocesses_inside(tf_side, tmp_path):
+    """What a TF Serving client sends is what the Parquet holds: PNG bytes; the SavedModel decodes and
+    preprocesses each row as validation does, in a process with no raytf."""
+    import keras
+    import pyarrow.parquet as pq_
+
+    from raytf.actor import export
+    from tests.serving import feed_of, serve_in_a_fresh_process
+
+    payload = tf_side(preprocess="imgprep:scale")
+    inputs = {"image": keras.Input((8, 6, 3), name="image"), "tensor": keras.Input((4, 4, 1), name="tensor"),
+              "id": keras.Input((), name="id", dtype="int64")}
+    joined = keras.layers.Concatenate()([keras.layers.Flatten()(inputs["image"]), keras.layers.Flatten()(inputs["tensor"]),
+                                         keras.layers.Reshape((1,))(keras.ops.cast(inputs["id"], "float32"))])
+    model = keras.Model(inputs, keras.layers.Dense(2)(joined))
+    export.saved_model(model, payload.train_data.features, str(tmp_path / "sm"), payload)
+
+    feed = feed_of(payload.train_root, ["image", "tensor", "id"], "label")
+    served, info = serve_in_a_fresh_process(str(tmp_path / "sm"), feed, tmp_path)
+    assert info["raytf_imported"] is False and info["inputs"] == ["id", "image", "tensor"]
+    table = pq_.read_table(payload.train_root)
+    rows = tuple(data.to_numpy(table.column(c.name), c) for c in (*payload.train_data.features, payload.train_data.label))
+    expected = keras.ops.convert_to_numpy(model(examples(payload, False).model_input(rows), training=False))
+    np.testing.assert_allclose(served, expected, rtol=1e-5, atol=1e-5)

@@ -78,10 +78,19 @@ class Examples:
         """(example[, weight]) -> (x, y[, weight]) through the preprocess function. `decode`: the elements
         are still rows (column tuples[, weight]), decoded in the same map (one map is cheaper than two:
         measured in benchmarks/bench_images.py)."""
+        prepare, wrong = self._prepare_fn(seed, worker, weighted, decode)
+        try:
+            return examples.enumerate().map(prepare, num_parallel_calls=AUTOTUNE, deterministic=True)
+        except Exception as exc:  # tracing it failed: Python or NumPy work on symbolic tensors
+            raise self._traced_wrong(exc, wrong) from None
+
+    def _prepare_fn(self, seed: int, worker: Any, weighted: bool, decode: bool) -> tuple[Callable, list[str]]:
+        """The per-example function (index, element) -> (x, y[, weight]), and where it notes what was wrong
+        with the preprocess function's output (autograph re-raises errors as its own)."""
         fn, takes, label, training, ref = self.fn, self.takes, self.label, self.training, self.ref
         to_example = self._to_example(weighted) if decode else None
         stream = tf.stack([tf.cast(seed, tf.int64), tf.cast(worker, tf.int64)])
-        wrong: list[str] = []  # what was wrong with its output (autograph re-raises errors as its own)
+        wrong: list[str] = []
 
         def prepare(index, element):
             if to_example is not None:
@@ -104,23 +113,37 @@ class Examples:
             x = next(iter(x.values())) if len(x) == 1 else x
             return (x, example[label], weight) if weighted else (x, example[label])
 
-        try:
-            return examples.enumerate().map(prepare, num_parallel_calls=AUTOTUNE, deterministic=True)
-        except Exception as exc:  # tracing it failed: Python or NumPy work on symbolic tensors
-            if wrong:
-                raise PreprocessError(wrong[-1]) from None
-            raise PreprocessError(
-                f"data.preprocess {ref} cannot run inside tf.data ({_root_cause(exc)}); it runs as a "
-                f"TensorFlow graph on every worker, so use TensorFlow ops only (tf.image, tf.io, tf.cast; no "
-                f".numpy(), NumPy or PIL on its tensors)") from None
+        return prepare, wrong
 
-    # ---------------------------------------------------------------- for building the model
+    def _traced_wrong(self, exc: Exception, wrong: list[str]) -> PreprocessError:
+        if wrong:
+            return PreprocessError(wrong[-1])
+        return PreprocessError(
+            f"data.preprocess {self.ref} cannot run inside tf.data ({_root_cause(exc)}); it runs as a "
+            f"TensorFlow graph on every worker, so use TensorFlow ops only (tf.image, tf.io, tf.cast; no "
+            f".numpy(), NumPy or PIL on its tensors)")
+
+    # ---------------------------------------------------------------- for building and serving the model
     def model_input(self, rows: tuple) -> Any:
         """The model's input for `rows` (column arrays, as the reader yields them): decoded and preprocessed
         like validation rows, batched. Builds a subclassed model, or a serving copy."""
         ds = tf.data.Dataset.from_tensor_slices(tuple(rows))
         x, _ = next(iter(self.prepared(ds, 0, 0, weighted=False, decode=True).batch(len(rows[0]))))
         return x
+
+    def serving_input(self, inputs: dict[str, tf.Tensor], example_input: Any) -> Any:
+        """Inside a SavedModel's signature: a batch of raw feature columns (no label) -> the model's input,
+        each row decoded and preprocessed as a validation row (training=False, one fixed seed).
+        `example_input`: a batch of the model's input, for its per-row structure."""
+        prepare, _ = self._prepare_fn(0, 0, weighted=False, decode=True)
+        label_dtype = tf.as_dtype(self.info.label.tf_dtype)
+
+        def one(row: dict[str, tf.Tensor]):
+            columns = tuple(row[name] if name != self.label else tf.zeros([], label_dtype) for name in self.names)
+            return prepare(tf.constant(0, tf.int64), columns)[0]
+
+        signature = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype), example_input)
+        return tf.map_fn(one, inputs, fn_output_signature=signature)
 
 
 def _parameters(fn: Callable) -> set[str]:

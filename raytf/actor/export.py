@@ -37,7 +37,7 @@ def write(model: keras.Model, payload, staging_dir: str, plain: bool = False) ->
             raise ValueError("output.export: saved_model needs data (Parquet): the signature is named after "
                              "its feature columns")
         servable = model if plain else plain_copy(payload.function("model"), model.get_weights(), payload)
-        saved_model(servable, features, os.path.join(staging_dir, SAVED_MODEL_DIR))
+        saved_model(servable, features, os.path.join(staging_dir, SAVED_MODEL_DIR), payload)
         out["saved_model"] = SAVED_MODEL_DIR
     return out
 
@@ -79,13 +79,22 @@ def plain_copy(build: Callable[[], keras.Model], weights: list, payload) -> kera
     return model
 
 
-def saved_model(model: keras.Model, features: tuple[Column, ...], path: str) -> None:
+def saved_model(model: keras.Model, features: tuple[Column, ...], path: str, payload=None) -> None:
+    """The model behind a `serving_default` signature over the raw feature columns, by name. With
+    data.decode/preprocess, those run inside it, per row, as for validation: clients send what the Parquet
+    holds (e.g. PNG bytes)."""
     module = tf.Module()
     module.model = model  # tracked: its variables are saved
+    examples = None
+    if payload is not None and payload.spec.data.per_example:
+        from raytf.actor.examples import Examples
+
+        examples, example_input = Examples(payload, payload.train_data, training=False), sample_input(payload)
 
     @tf.function(input_signature=[input_specs(features)])
     def serve(inputs):
-        output = steps_lib.float32(model(model_input(features, inputs), training=False))
+        x = examples.serving_input(inputs, example_input) if examples is not None else model_input(features, inputs)
+        output = steps_lib.float32(model(x, training=False))
         return output if isinstance(output, dict) else {"output": output}
 
     module.serve = serve
