@@ -143,10 +143,14 @@ def _is_number(t: pa.DataType) -> bool:
     return pa.types.is_floating(t) or pa.types.is_integer(t)
 
 
+def _is_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+
+
 def _list_shape(t: pa.DataType) -> tuple[tuple[int, ...], pa.DataType] | None:
     """A (nested) list type's shape (-1 where rows may differ: read from the data) and its value type."""
     shape = []
-    while pa.types.is_fixed_size_list(t) or pa.types.is_list(t) or pa.types.is_large_list(t):
+    while _is_list(t):
         shape.append(t.list_size if pa.types.is_fixed_size_list(t) else -1)
         t = t.value_type
     return (tuple(shape), t) if shape else None
@@ -282,7 +286,7 @@ def _rows_shape(column: pa.ChunkedArray, name: str, key: str, piece: Piece) -> t
     """The one shape of every row of a (nested) list column; a ragged one is a SpecError naming it."""
     array = column.combine_chunks()
     shape = []
-    while pa.types.is_list(array.type) or pa.types.is_large_list(array.type) or pa.types.is_fixed_size_list(array.type):
+    while _is_list(array.type):
         lengths = pc.list_value_length(array).unique().to_pylist()
         if len(lengths) != 1 or lengths[0] is None:
             known = sorted(x for x in lengths if x is not None)
@@ -295,9 +299,7 @@ def _rows_shape(column: pa.ChunkedArray, name: str, key: str, piece: Piece) -> t
 
 
 def _check_leaf_values(found: Scan, info: Column, key: str) -> None:
-    per_row = 1
-    for n in info.shape:
-        per_row *= n
+    per_row = math.prod(info.shape)
     for piece, leaves in zip(found.pieces, found.leaf_values):
         values = leaves.get(info.name)
         if values is not None and values != piece.num_rows * per_row:
@@ -336,18 +338,20 @@ def inspect_report(path: str, workers: int = 2) -> str:
     sizes = [p.num_rows for p in found.pieces]
     lines = [f"{path}: {found.num_rows:,} rows in {len(files)} file(s), {len(sizes)} row group(s) "
              f"(rows per group: min {min(sizes):,}, max {max(sizes):,})", "", "schema:"]
-    first = None  # the first row group's list and binary columns: shapes and sizes come from real rows
+    kinds = {}
     for field in found.schema:
         try:
-            kind = _column_info(field, path)
+            kinds[field.name] = _column_info(field, path)
         except SpecError:
-            kind = None
-        if kind is not None and (-1 in kind.shape or kind.dtype == "bytes"):
-            if first is None:
-                fs, root = _filesystem(path)
-                first = _read_piece(fs, root, found.pieces[0], [
-                    f.name for f in found.schema if pa.types.is_binary(f.type) or pa.types.is_large_binary(f.type)
-                    or pa.types.is_fixed_size_binary(f.type) or _list_shape(f.type) is not None])
+            kinds[field.name] = None
+    # binary columns and lists of unfixed length: sizes and shapes come from the first row group's rows
+    sampled = [name for name, kind in kinds.items() if kind is not None and (-1 in kind.shape or kind.dtype == "bytes")]
+    if sampled:
+        fs, root = _filesystem(path)
+        first = _read_piece(fs, root, found.pieces[0], sampled)
+    for field in found.schema:
+        kind = kinds[field.name]
+        if field.name in sampled:
             usable = _describe_sampled(kind, first.column(field.name), path, found.pieces[0])
         elif kind is None:
             usable = "not usable as a tensor"
@@ -415,8 +419,7 @@ def to_numpy(column: pa.ChunkedArray | pa.Array, info: Column):
         return array.to_numpy(zero_copy_only=False).astype(info.dtype, copy=False)
     values = array.storage if isinstance(array, pa.ExtensionArray) else array
     depth = 0
-    while pa.types.is_list(values.type) or pa.types.is_large_list(values.type) or \
-            pa.types.is_fixed_size_list(values.type):
+    while _is_list(values.type):
         if not pa.types.is_fixed_size_list(values.type) and len(values):  # every row's length at this depth
             lengths = pc.min_max(pc.list_value_length(values)).as_py()
             expected = info.shape[depth] if depth < len(info.shape) else None

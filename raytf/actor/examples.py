@@ -17,6 +17,7 @@ from typing import Any, Callable
 import tensorflow as tf
 
 from raytf.data import DatasetInfo
+from raytf.spec import function_ref
 
 AUTOTUNE = tf.data.AUTOTUNE
 DECODERS = {"jpeg": tf.io.decode_jpeg, "png": tf.io.decode_png}
@@ -38,7 +39,7 @@ class Examples:
         self.decode = {d.column: d for d in spec.data.decode}
         self.cache = spec.data.cache
         key = "data.preprocess_validation" if not training and spec.data.preprocess_validation else "data.preprocess"
-        self.ref = spec.data.preprocess_validation if key == "data.preprocess_validation" else spec.data.preprocess
+        self.ref = function_ref(spec, key)
         self.fn: Callable | None = payload.function(key) if self.ref else None
         self.takes = _parameters(self.fn) if self.fn is not None else set()
         self.cache_dir = cache_dir
