@@ -334,5 +334,9 @@ def test_a_stalled_peer_fails_the_collective_after_collective_timeout_s(cluster,
     failed_after = time.time() - float((job_dir / "stalled-once").read_text())
     message = str(info.value)
     assert 10 <= failed_after < 40, failed_after
-    assert "rank(s) 0" in message and "collective_timeout_s" in message and "no progress" not in message, message
+    assert "rank(s) 0" in message and "no progress" not in message, message
+    # TensorFlow 2.21 now and then corrupts its heap while aborting the timed-out all-reduce (SIGABRT,
+    # "Mutex corrupt" in base_collective_executor's abort); rank 0 then dies at the same moment instead of
+    # raising, and raytf reports the death. Either way the attempt ended at the timeout, not the watchdog.
+    assert "collective_timeout_s (10 s)" in message or "rank(s) 0: actor died" in message, message
     assert_nothing_left()

@@ -79,7 +79,7 @@ def test_a_subclassed_model_exports_a_saved_model_that_serves_without_raytf(clus
     (job_dir / "subclassed.py").write_text(SUBCLASSED_MODEL)
     result = raytf.fit(write_job(job_dir, base_spec(
         model="subclassed:build_model", train={"epochs": 1},
-        output={"export": ["keras", "saved_model"], "profile": {"steps": [3, 5], "ranks": [1]}, "timing": True})))
+        output={"export": ["keras", "saved_model"], "profile": {"steps": [3, 5], "ranks": [0]}, "timing": True})))
     saved = result.exports["saved_model"]
     assert result.exports["keras"] == result.model_path and saved == str(job_dir / "runs" / "t" / "saved_model")
     assert json.loads((job_dir / "runs" / "t" / "result.json").read_text())["exports"] == result.exports
@@ -97,12 +97,13 @@ def test_a_subclassed_model_exports_a_saved_model_that_serves_without_raytf(clus
     assert "signature_def['serving_default']" in shown and "inputs['pixels']" in shown
     assert "shape: (-1, 64)" in shown and "outputs['output']" in shown
 
-    # The profile: rank 1 only, where TensorBoard's profile plugin looks, and a trace that parses.
+    # The profile: rank 0 only (not rank 1: README, Profiles), where TensorBoard's profile plugin looks,
+    # and a trace that parses.
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
     profiles = job_dir / "runs" / "t" / "tensorboard" / "profile"
-    assert sorted(p.name for p in profiles.iterdir()) == ["rank-1"]
-    traces = list((profiles / "rank-1" / "plugins" / "profile").glob("*/*.xplane.pb"))
+    assert sorted(p.name for p in profiles.iterdir()) == ["rank-0"]
+    traces = list((profiles / "rank-0" / "plugins" / "profile").glob("*/*.xplane.pb"))
     assert len(traces) == 1, traces
     space = xplane_pb2.XSpace.FromString(traces[0].read_bytes())
     assert space.planes and sum(len(line.events) for plane in space.planes for line in plane.lines) > 0
