@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 BIN = Path(sys.executable).parent  # `ray` and `raytf` of this environment
+ANSWER = "@@answer:"  # marks the line a head-side driver answers on (see Hosts.python)
 GCS_PORT, JOBS_PORT = 6379, 8265
 
 
@@ -141,18 +142,24 @@ class Hosts:
         return subprocess.run(["ip", "netns", "exec", self.hosts[host].ns, *cmd], env=self.env(), cwd=cwd,
                               capture_output=True, text=True, timeout=timeout_s)
 
-    def python(self, code: str, timeout_s: float = 60, check: bool = True) -> str | None:
-        """Python run on the head, connected to the cluster; its stdout."""
-        out = self.run(self.head.name, [sys.executable, "-c", "import ray; ray.init(address=%r, logging_level='ERROR')\n"
-                                        % self.gcs_address + code], timeout_s)
+    def python(self, expression: str, setup: str = "", timeout_s: float = 60, check: bool = True) -> str | None:
+        """`expression` evaluated on the head by a driver connected to the cluster, printed with print(*...)."""
+        # The answer goes on a marked line: Ray may print lines of its own (a raylet's warning, forwarded to
+        # every driver, once broke the parsing), and log_to_driver=False alone does not cover all of them.
+        code = (f"import ray; ray.init(address={self.gcs_address!r}, logging_level='ERROR', log_to_driver=False)\n"
+                f"{setup}\nprint({ANSWER!r}, *({expression}))")
+        out = self.run(self.head.name, [sys.executable, "-c", code], timeout_s)
         if out.returncode != 0:
             if check:
                 raise RuntimeError(out.stderr[-2000:])
             return None
-        return out.stdout
+        answers = [line[len(ANSWER):].strip() for line in out.stdout.splitlines() if line.startswith(ANSWER)]
+        if not answers:
+            raise RuntimeError(f"no answer from the head's driver; it printed: {out.stdout[-2000:]}")
+        return answers[-1]
 
     def alive_nodes(self, check: bool = True) -> list[str] | None:
-        out = self.python("print(*sorted(n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']))", check=check)
+        out = self.python("sorted(n['NodeManagerAddress'] for n in ray.nodes() if n['Alive'])", check=check)
         return None if out is None else out.split()
 
     def leftovers(self) -> dict[str, int]:
@@ -160,9 +167,9 @@ class Hosts:
         # The address is explicit: left to itself the state API auto-detects "the local Ray", which on a
         # machine where another test ran `ray start` is that one (its dashboard at 127.0.0.1), not this head.
         out = self.python(
-            f"from ray.util.state import list_actors, list_placement_groups\n"
-            f"print(len(list_actors(address={self.gcs_address!r}, filters=[('state', '=', 'ALIVE')])), "
-            f"len([p for p in list_placement_groups(address={self.gcs_address!r}) if p.state != 'REMOVED']))")
+            f"len(list_actors(address={self.gcs_address!r}, filters=[('state', '=', 'ALIVE')])), "
+            f"len([p for p in list_placement_groups(address={self.gcs_address!r}) if p.state != 'REMOVED'])",
+            setup="from ray.util.state import list_actors, list_placement_groups")
         actors, groups = map(int, out.split())
         return {"actors": actors, "placement_groups": groups}
 
