@@ -1,14 +1,17 @@
 """The README's first command, verbatim, as a new user runs it: from the root of a fresh copy of the
 repository, and again from inside jobs/, on an embedded local Ray (even with another cluster up)."""
 import json
+import os
 import re
 import shlex
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
 
+from raytf.actor import scratch
 from tests.conftest import REPO
 from tests.test_user_paths import assert_quiet, files_under, run_cli
 
@@ -38,6 +41,12 @@ def fresh_copy(tmp_path_factory):
     return copy
 
 
+def task_files_in_temp_dir() -> set[str]:
+    """What tasks could leave in this machine's temp dir: raytf's scratch folders, AutoGraph's sources."""
+    return {e.name for e in os.scandir(tempfile.gettempdir())
+            if e.name.startswith((scratch.PREFIX, "__autograph_generated_file"))}
+
+
 def check_digits_run(proc, copy: Path, jobs_before: set[str]) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = copy / "runs" / "digits"  # "The first writes runs/digits/ (next to jobs/)"
@@ -58,12 +67,14 @@ def test_readme_job_trains_digits_from_a_fresh_copy(cluster, fresh_copy, where):
     test_cluster, gpu_nodes = cluster
     shutil.rmtree(fresh_copy / "runs", ignore_errors=True)
     jobs_before = files_under(fresh_copy / "jobs")
+    temp_before = task_files_in_temp_dir()
     argv = readme_job_command()
     if where == "inside jobs/":
         argv = [*argv[:2], argv[2].removeprefix("jobs/")]
     proc = run_cli(argv[1:], cwd=fresh_copy if where == "the repository root" else fresh_copy / "jobs", timeout=280,
                    extra_env={"PYTHONPATH": str(fresh_copy)})
     check_digits_run(proc, fresh_copy, jobs_before)
+    assert task_files_in_temp_dir() - temp_before == set()  # the embedded Ray's tasks took their files along
     result = json.loads((fresh_copy / "runs" / "digits" / "result.json").read_text())
     known = {gpu.node_id for gpu in gpu_nodes} | {test_cluster.head_node.node_id}
     assert not {t["node_id"] for t in result["tasks"]} & known

@@ -1,7 +1,9 @@
 """Checkpoints and recovery on the local multi-node cluster: a dead or hung worker costs at most one
 checkpoint interval, never a hang; restarts are bounded; resume continues where a run stopped."""
 import json
+import os
 import shutil
+import tempfile
 import time
 
 import pytest
@@ -13,6 +15,7 @@ from raytf.errors import SpecError, TrainingFailed
 from raytf.spec import load
 from tests.conftest import assert_nothing_left, base_spec, write_job
 from tests.faults import Killer, rank_one_data
+from tests.test_scratch import made_by_a_process_that_exited
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -29,6 +32,8 @@ def ft_spec(job_dir, **changes):
 
 
 def test_a_killed_worker_costs_one_restart_and_the_run_ends_where_it_would_have(cluster, job_dir, tmp_path):
+    # What an earlier task killed on this node left (its disk cache): the tasks of this job sweep it.
+    left_by_a_killed_task = made_by_a_process_that_exited(tempfile.gettempdir())
     baseline = raytf.fit(write_job(job_dir, ft_spec(job_dir, checkpoint={"dir": str(tmp_path / "base-ckpt"),
                                                                          "every_steps": 40})))
     killer = Killer(rank=1, at_step=130, attempts={1})
@@ -57,6 +62,7 @@ def test_a_killed_worker_costs_one_restart_and_the_run_ends_where_it_would_have(
     assert saved["restarts"][0]["resumed_from_step"] == restart["resumed_from_step"]
     assert len(Storage(str(job_dir / "ckpt")).list()) == 2  # checkpoint.keep
     assert_nothing_left()
+    assert not os.path.exists(left_by_a_killed_task)
 
 
 

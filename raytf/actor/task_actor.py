@@ -16,6 +16,7 @@ from typing import Any
 
 import ray
 
+from raytf.actor import scratch
 from raytf.actor.context import TaskContext, WorkerPayload
 from raytf.rendezvous import ActorReport, Task
 
@@ -37,7 +38,8 @@ class TaskActor:
         self._adopted_gpus: tuple[str, ...] | None = None
         self._backend = None  # the strategy's actor half (raytf.actor.<name>), imported in setup
         self._started = None  # what it started: the strategy, or a parameter-server task's TF server
-        self._staging = tempfile.mkdtemp(prefix="raytf-task-")
+        self._scratch = self._staging = None  # this task's folder on the node, made in setup
+        self._tempdir_before = tempfile.tempdir
         # Import TensorFlow while the rendezvous goes on (seconds of CPU; reading TF_CONFIG and starting
         # the server happen later, in setup). setup waits for this import through Python's import lock.
         self._tf_import = threading.Thread(target=importlib.import_module, args=("tensorflow",), daemon=True)
@@ -73,6 +75,8 @@ class TaskActor:
 
         self._task = task
         _name_this_actor(f"raytf:{payload.spec.name}:{task.role}-{task.index}")
+        if self._scratch is None:
+            self._make_scratch()
         os.environ["TF_CONFIG"] = tf_config  # an evaluator's names the cluster it is not part of, as TF's do
         self._ctx = TaskContext(task.rank, world_size, payload.spec, self._staging, payload)
         self._tf_import.join()
@@ -100,17 +104,30 @@ class TaskActor:
             raise
         return {"rank": task.rank, "role": task.role}
 
+    def _make_scratch(self) -> None:
+        """This task's files on the node (raytf.actor.scratch): `staging` is shipped back to output.dir, and
+        Python's temp files (AutoGraph's sources, checkpoint copies) go to `tmp`, so that they leave with
+        the folder also when the task is killed, which runs no cleanup. Made here, not when the actor
+        starts: a warm standby that is never promoted leaves nothing."""
+        self._scratch = scratch.create()
+        self._staging = os.path.join(self._scratch, "staging")
+        os.mkdir(self._staging)
+        os.mkdir(os.path.join(self._scratch, "tmp"))
+        tempfile.tempdir = os.path.join(self._scratch, "tmp")
+        # The folders of this node's dead tasks, beside this one (the temp dir is no longer the node's).
+        threading.Thread(target=scratch.sweep, args=(os.path.dirname(self._scratch),), daemon=True).start()
+
     def train(self, payload: WorkerPayload) -> dict[str, Any]:
         started = time.time()
         try:
             outcome = self._backend.train(self._started, self._task, payload, self._ctx)
-        finally:  # data.cache: disk, decoded rows (maybe gigabytes), also when training failed
-            shutil.rmtree(self._staging + ".cache", ignore_errors=True)
-        outcome.update(rank=self._ctx.rank, started_at=started, finished_at=time.time(),
-                       first_step_at=self._ctx.first_step_at)
-        outcome["artifacts"] = _collect(self._staging)  # the chief's model and events; any rank's profile
-        shutil.rmtree(self._staging, ignore_errors=True)
-        return outcome
+            outcome.update(rank=self._ctx.rank, started_at=started, finished_at=time.time(),
+                           first_step_at=self._ctx.first_step_at)
+            outcome["artifacts"] = _collect(self._staging)  # the chief's model and events; any rank's profile
+            return outcome
+        finally:  # the task's files on this node (data.cache: disk may be gigabytes), also when training failed
+            tempfile.tempdir = self._tempdir_before
+            shutil.rmtree(self._scratch, ignore_errors=True)
 
     def stop_at(self, step: int) -> dict[str, Any]:
         """A drain notice: stop training after optimizer step `step` and checkpoint there (answered while

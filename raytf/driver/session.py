@@ -5,12 +5,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import tempfile
+import time
 from pathlib import Path
 from typing import Iterator
 
 import ray
 
+from raytf.actor import scratch
+
 AUTH_MODE = "RAY_AUTH_MODE"
+SHUTDOWN_GRACE_S = 5.0  # for an embedded Ray's workers to exit after its raylet (they do within a second)
 
 
 def token_available() -> bool:
@@ -45,6 +50,7 @@ def ray_session(address: str | None = None, verbose: bool = False) -> Iterator[s
         set_auth_mode(mode)
     # Workers' output (TensorFlow's start-up lines among it) reaches this terminal with --verbose only.
     options = dict(log_to_driver=verbose, logging_level=logging.INFO if verbose else logging.WARNING)
+    started = time.time()
     try:
         if address:
             ray.init(address=address, **options)
@@ -57,6 +63,8 @@ def ray_session(address: str | None = None, verbose: bool = False) -> Iterator[s
         yield None if verbose else f"raytf: workers' logs: {hint} (-v shows them here)"
     finally:
         ray.shutdown()
+        if not address:  # its tasks are gone with it: what the killed ones left on this disk goes too
+            scratch.sweep(tempfile.gettempdir(), grace_s=SHUTDOWN_GRACE_S, since=started)
         if mode is not None:
             set_auth_mode(None)
 
