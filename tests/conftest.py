@@ -1,4 +1,5 @@
 """Shared fixtures: a self-contained job folder (model module + real digits Parquet) in a temp dir."""
+import os
 import shutil
 import textwrap
 import time
@@ -85,3 +86,13 @@ def assert_nothing_left(deadline_s=15):
         if time.time() > end:
             pytest.fail(f"leaked: {len(actors)} actors, placement groups {[g['state'] for g in groups]}")
         time.sleep(0.5)
+
+
+def task_files_in_temp_dir() -> set[str]:
+    """What tasks could leave in this machine's temp dir: raytf's scratch folders, AutoGraph's sources."""
+    import tempfile
+
+    from raytf.actor import scratch
+
+    return {e.name for e in os.scandir(tempfile.gettempdir())
+            if e.name.startswith((scratch.PREFIX, "__autograph_generated_file"))}

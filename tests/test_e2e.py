@@ -1,18 +1,15 @@
 """The README's first command, verbatim, as a new user runs it: from the root of a fresh copy of the
 repository, and again from inside jobs/, on an embedded local Ray (even with another cluster up)."""
 import json
-import os
 import re
 import shlex
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import pytest
 
-from raytf.actor import scratch
-from tests.conftest import REPO
+from tests.conftest import REPO, task_files_in_temp_dir
 from tests.test_user_paths import assert_quiet, files_under, run_cli
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
@@ -39,12 +36,6 @@ def fresh_copy(tmp_path_factory):
             (copy / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / rel, copy / rel)
     return copy
-
-
-def task_files_in_temp_dir() -> set[str]:
-    """What tasks could leave in this machine's temp dir: raytf's scratch folders, AutoGraph's sources."""
-    return {e.name for e in os.scandir(tempfile.gettempdir())
-            if e.name.startswith((scratch.PREFIX, "__autograph_generated_file"))}
 
 
 def check_digits_run(proc, copy: Path, jobs_before: set[str]) -> None:

@@ -13,7 +13,7 @@ from raytf.checkpoint import Storage
 from raytf.driver.controller import run
 from raytf.errors import SpecError, TrainingFailed
 from raytf.spec import load
-from tests.conftest import assert_nothing_left, base_spec, write_job
+from tests.conftest import assert_nothing_left, base_spec, task_files_in_temp_dir, write_job
 from tests.faults import Killer, rank_one_data
 from tests.test_scratch import made_by_a_process_that_exited
 
@@ -34,6 +34,7 @@ def ft_spec(job_dir, **changes):
 def test_a_killed_worker_costs_one_restart_and_the_run_ends_where_it_would_have(cluster, job_dir, tmp_path):
     # What an earlier task killed on this node left (its disk cache): the tasks of this job sweep it.
     left_by_a_killed_task = made_by_a_process_that_exited(tempfile.gettempdir())
+    temp_before = task_files_in_temp_dir()
     baseline = raytf.fit(write_job(job_dir, ft_spec(job_dir, checkpoint={"dir": str(tmp_path / "base-ckpt"),
                                                                          "every_steps": 40})))
     killer = Killer(rank=1, at_step=130, attempts={1})
@@ -63,6 +64,7 @@ def test_a_killed_worker_costs_one_restart_and_the_run_ends_where_it_would_have(
     assert len(Storage(str(job_dir / "ckpt")).list()) == 2  # checkpoint.keep
     assert_nothing_left()
     assert not os.path.exists(left_by_a_killed_task)
+    assert task_files_in_temp_dir() - temp_before == set()  # the killed worker's folder went too
 
 
 

@@ -1,7 +1,6 @@
 """Images and tensors in real jobs: the CNN example job (PNG bytes in Parquet, decoded and augmented in
 tf.data) run the way users run it, and a tensor column through a preprocess function on every
 MultiWorkerMirrored worker and on every parameter-server worker."""
-import glob
 import json
 import shutil
 
@@ -15,7 +14,7 @@ import pytest
 from raytf.driver.controller import run
 from raytf.errors import TrainingFailed
 from raytf.spec import load
-from tests.conftest import REPO, assert_nothing_left, write_job
+from tests.conftest import REPO, assert_nothing_left, task_files_in_temp_dir, write_job
 from tests.serving import feed_of, serve_in_a_fresh_process
 from tests.test_parameter_server import CHIEF_CRASHED
 from tests.test_user_paths import assert_quiet, files_under, run_cli
@@ -105,10 +104,10 @@ def tensor_spec(folder, strategy, preprocess="tensormodel:unshift"):
 @pytest.mark.parametrize("strategy", ["mirrored", "parameter_server"])
 def test_a_tensor_column_goes_through_the_preprocess_function_on_every_worker(cluster, tensor_job, strategy,
                                                                               tmp_path):
-    caches_before = set(glob.glob("/tmp/raytf-task-*.cache"))
+    temp_before = task_files_in_temp_dir()
     result = run(load(write_job(tensor_job, tensor_spec(tensor_job, strategy), name=f"{strategy}.yaml")))
     assert result.status == "succeeded"
-    assert set(glob.glob("/tmp/raytf-task-*.cache")) <= caches_before  # the disk cache went with its task
+    assert task_files_in_temp_dir() - temp_before == set()  # the disk cache went with its task (ps ones too)
     losses = [h["loss"] for h in result.history]
     assert losses[-1] < losses[0] and result.history[-1]["val_accuracy"] > 0.8
     assert result.history[-1]["val_examples"] == 360

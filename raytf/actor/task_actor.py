@@ -109,13 +109,16 @@ class TaskActor:
         Python's temp files (AutoGraph's sources, checkpoint copies) go to `tmp`, so that they leave with
         the folder also when the task is killed, which runs no cleanup. Made here, not when the actor
         starts: a warm standby that is never promoted leaves nothing."""
-        self._scratch = scratch.create()
-        self._staging = os.path.join(self._scratch, "staging")
+        self._scratch = scratch.Scratch()
+        self._staging = os.path.join(self._scratch.path, "staging")
         os.mkdir(self._staging)
-        os.mkdir(os.path.join(self._scratch, "tmp"))
-        tempfile.tempdir = os.path.join(self._scratch, "tmp")
-        # The folders of this node's dead tasks, beside this one (the temp dir is no longer the node's).
-        threading.Thread(target=scratch.sweep, args=(os.path.dirname(self._scratch),), daemon=True).start()
+        os.mkdir(os.path.join(self._scratch.path, "tmp"))
+        tempfile.tempdir = os.path.join(self._scratch.path, "tmp")
+        self._sweep_node()
+
+    def _sweep_node(self) -> None:
+        """Remove, in the background, the folders of this node's dead tasks, beside this one's."""
+        threading.Thread(target=scratch.sweep, args=(os.path.dirname(self._scratch.path),), daemon=True).start()
 
     def train(self, payload: WorkerPayload) -> dict[str, Any]:
         started = time.time()
@@ -126,8 +129,15 @@ class TaskActor:
             outcome["artifacts"] = _collect(self._staging)  # the chief's model and events; any rank's profile
             return outcome
         finally:  # the task's files on this node (data.cache: disk may be gigabytes), also when training failed
+            self.cleanup()
+            self._sweep_node()  # those of tasks killed in this job (a restart's) are gone by now
+
+    def cleanup(self) -> None:
+        """Remove this task's folder. The driver asks it of every task it stops (a parameter-server task
+        never returns from train), before killing them."""
+        if self._scratch is not None:
             tempfile.tempdir = self._tempdir_before
-            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch.remove()
 
     def stop_at(self, step: int) -> dict[str, Any]:
         """A drain notice: stop training after optimizer step `step` and checkpoint there (answered while

@@ -85,6 +85,7 @@ def bundle_nodes(pg) -> dict[int, str]:
     return {int(i): node for i, node in ray.util.placement_group_table(pg)["bundles_to_node_id"].items()}
 
 
+CLEANUP_TIMEOUT_S = 2.0  # for the tasks being stopped to remove their files, before they are killed
 NODE_PROBE_S = 5.0  # a node that cannot run a trivial task in this long is taken for gone
 
 
@@ -240,6 +241,16 @@ class RayWorkerGroup:
         with self._lock:
             self._stopped = True
             actors, self.actors, self._by_rank = self.actors, [], []
+        # Each task first removes its files on its node (a killed one cannot; a later task's sweep would),
+        # briefly: a dead or wedged actor does not hold up the teardown.
+        refs = []
+        for actor in actors:
+            try:
+                refs.append(actor.cleanup.remote())
+            except Exception:  # already gone
+                pass
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=CLEANUP_TIMEOUT_S)
         for actor in actors:
             kill(actor)
 

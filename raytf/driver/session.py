@@ -15,7 +15,7 @@ import ray
 from raytf.actor import scratch
 
 AUTH_MODE = "RAY_AUTH_MODE"
-SHUTDOWN_GRACE_S = 5.0  # for an embedded Ray's workers to exit after its raylet (they do within a second)
+SHUTDOWN_GRACE_S = 5.0  # for an embedded Ray's workers to exit, which they do once its raylet is gone
 
 
 def token_available() -> bool:
