@@ -107,7 +107,7 @@ def test_a_tensor_column_goes_through_the_preprocess_function_on_every_worker(cl
     temp_before = task_files_in_temp_dir()
     result = run(load(write_job(tensor_job, tensor_spec(tensor_job, strategy), name=f"{strategy}.yaml")))
     assert result.status == "succeeded"
-    assert task_files_in_temp_dir() - temp_before == set()  # the disk cache went with its task (ps ones too)
+    assert task_files_in_temp_dir() - temp_before == set()  # mirrored: the disk cache went; ps: every task's folder
     losses = [h["loss"] for h in result.history]
     assert losses[-1] < losses[0] and result.history[-1]["val_accuracy"] > 0.8
     assert result.history[-1]["val_examples"] == 360
