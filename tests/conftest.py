@@ -1,6 +1,7 @@
 """Shared fixtures: a self-contained job folder (model module + real digits Parquet) in a temp dir."""
 import os
 import shutil
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -90,8 +91,6 @@ def assert_nothing_left(deadline_s=15):
 
 def task_files_in_temp_dir() -> set[str]:
     """What tasks could leave in this machine's temp dir: raytf's scratch folders, AutoGraph's sources."""
-    import tempfile
-
     from raytf.actor import scratch
 
     return {e.name for e in os.scandir(tempfile.gettempdir())
