@@ -3,9 +3,11 @@ from __future__ import annotations
 
 
 class RaytfError(Exception):
-    """Base class: a failure raytf can explain in one message."""
+    """Base class: a failure raytf can explain in one message. `traceback`: where there is one to show with
+    -v and keep in result.json (the failed task's)."""
 
     exit_code = 1
+    traceback: str | None = None
 
 
 class SpecError(RaytfError):
@@ -35,9 +37,36 @@ class TrainingFailed(RaytfError):
 
     exit_code = 1
 
-    def __init__(self, message: str, causes: dict[str, list[int]] | None = None):
+    def __init__(self, message: str, causes: dict[str, list[int]] | None = None, traceback: str | None = None):
         super().__init__(message)
         self.causes = causes or {}
+        self.traceback = traceback
+
+
+class TaskException(RaytfError):
+    """An exception raised in a task (the user's code, TensorFlow, raytf's loop), as plain data that survives
+    the trip to the driver: the original type's name and message, the user's `file.py:LINE` in the job
+    folder (None when no frame is there) and the whole traceback."""
+
+    def __init__(self, type_name: str, message: str, where: str | None, traceback: str):
+        super().__init__(f"{type_name}: {message}")
+        self.type_name, self.message, self.where, self.traceback = type_name, message, where, traceback
+
+    def __reduce__(self):  # raised in an actor, unpickled in the driver
+        return type(self), (self.type_name, self.message, self.where, self.traceback)
+
+
+class CheckpointMismatch(RaytfError):
+    """A checkpoint that reads fine but does not fit the model (other shapes, missing or extra variables):
+    the job's code changed, or checkpoint.dir holds another model's. Never answered with a fresh start."""
+
+    def __init__(self, path: str, cause: str):
+        super().__init__(f"checkpoint {path} does not fit this job's model ({cause}); resume it with the model "
+                         f"that saved it, or give this job another checkpoint.dir")
+        self.path, self.cause = path, cause
+
+    def __reduce__(self):  # raised in an actor, unpickled in the driver
+        return type(self), (self.path, self.cause)
 
 
 class CheckpointCorrupt(RaytfError):

@@ -35,6 +35,9 @@ class Script:
     hang_after: float | None = None
     steps_per_s: float = 10.0
     checkpoint_s: float | None = None  # how long its last checkpoint took, as its progress says
+    says_steps: bool = True  # False: a train_fn that reports no step (a tf.keras fit), only epochs
+    cpu_share: float = 1.0  # of one core, while it runs (not once it hangs)
+    epoch_s: float | None = None  # an epoch's metrics in its progress every this many seconds
     outcome: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -42,8 +45,10 @@ def actor_died() -> TaskError:
     return TaskError("ActorDiedError", "The actor died unexpectedly", True, "actor died (killed)")
 
 
-def user_error(message: str = "boom") -> TaskError:
-    return TaskError("ValueError", message, False, f"ValueError: {message}")
+def user_error(message: str = "boom", where: str | None = None) -> TaskError:
+    said = f"ValueError: {message}"
+    return TaskError("ValueError", message, False, f"{where}: {said}" if where else said,
+                     f'Traceback (most recent call last):\n  File "{where}"\n{said}\n' if where else None)
 
 
 def collective_error() -> TaskError:
@@ -162,8 +167,11 @@ class FakeGroup:
             running = now - h.started
             if h.script.hang_after is not None:
                 running = min(running, h.script.hang_after)
-            out.append({"phase": "train", "global_step": int(running * h.script.steps_per_s), "epochs": [],
-                        "updated": now, "steps_per_s": h.script.steps_per_s, **({"checkpoint_s": h.script.checkpoint_s} if h.script.checkpoint_s else {})})
+            epochs = ([{"epoch": e, "loss": 1.0 / e, "seconds": h.script.epoch_s}
+                       for e in range(1, int(running // h.script.epoch_s) + 1)] if h.script.epoch_s else [])
+            step = int(running * h.script.steps_per_s) if h.script.says_steps else 0
+            out.append({"phase": "train", "global_step": step, "epochs": epochs,
+                        "cpu_s": running * h.script.cpu_share, "updated": now, "steps_per_s": h.script.steps_per_s, **({"checkpoint_s": h.script.checkpoint_s} if h.script.checkpoint_s else {})})
         return out
 
     def stop_at(self, ranks: list[int], step: int, timeout_s: float) -> list[dict[str, Any] | None]:

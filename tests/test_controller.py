@@ -1,5 +1,6 @@
 """The controller stepped without Ray or TensorFlow: an in-memory worker group on a fake clock
 (tests/fakes.py). Each test drives a whole job through its states in well under a second."""
+import json
 import subprocess
 import sys
 import textwrap
@@ -9,6 +10,7 @@ import pytest
 
 from raytf.checkpoint import Storage
 from raytf.driver.controller import DONE, FAILED, RUNNING, STARTING, Controller
+from raytf.driver.group import TaskError
 from raytf.driver.policy import Limits
 from raytf.errors import PlacementTimeout, TrainingFailed
 from raytf.spec import Job, parse
@@ -75,6 +77,49 @@ def test_a_hang_is_caught_at_hang_timeout_s(tmp_path):
     detected_after = restart["time"] - (started + 5.0)
     assert 30 <= detected_after <= 30 + 2 * Limits().poll_interval_s, detected_after
     assert hung_at > restart["time"]
+
+
+def test_a_rank_that_says_no_steps_is_alive_while_it_computes_and_hung_once_it_stops(tmp_path):
+    # A train_fn's tf.keras fit reports nothing until its epoch ends: an epoch of 3x hang_timeout_s succeeds.
+    job = make_job(tmp_path, failure={"hang_timeout_s": 8, "max_restarts": 1})
+    fit = lambda attempt, task: Script(finish_after=24.0, says_steps=False, cpu_share=0.7)  # noqa: E731
+    result = run_fast(make(tmp_path, fit, job)[0])
+    assert result.status == "succeeded" and result.restarts == []
+    # The same rank asleep (or blocked on a peer) uses next to no CPU: caught, as a rank that stops stepping is.
+    asleep = lambda attempt, task: Script(finish_after=24.0, says_steps=False,  # noqa: E731
+                                          cpu_share=0.7 if attempt > 1 or task.rank == 0 else 0.005)
+    c, world, clock = make(tmp_path, asleep, make_job(tmp_path, failure={"hang_timeout_s": 8, "max_restarts": 1}))
+    result = run_fast(c)
+    assert result.status == "succeeded" and [r["kind"] for r in result.restarts] == ["hang"]
+    assert result.restarts[0]["ranks"] == [1]
+    detected_after = result.restarts[0]["time"] - world.groups[0].handles[1].started
+    assert 8 <= detected_after <= 8 + 2 * Limits().poll_interval_s, detected_after
+    # Stuck after computing for a while: caught within hang_timeout_s of its last busy window.
+    stuck = lambda attempt, task: Script(finish_after=60.0, says_steps=False,  # noqa: E731
+                                         hang_after=10.0 if attempt == 1 and task.rank == 1 else None)
+    c, world, clock = make(tmp_path, stuck, make_job(tmp_path, failure={"hang_timeout_s": 8, "max_restarts": 1}))
+    result = run_fast(c)
+    detected_after = result.restarts[0]["time"] - (world.groups[0].handles[1].started + 10.0)
+    assert [r["kind"] for r in result.restarts] == ["hang"] and 8 <= detected_after <= 8 + 4 + 2, detected_after
+
+
+def test_a_failed_job_keeps_its_epochs_tasks_restarts_and_the_traceback(tmp_path):
+    job = make_job(tmp_path, failure={"hang_timeout_s": 30, "max_restarts": 1})
+    crash = user_error("'Mean' object has no attribute 'reset_states'", where="train.py:57")
+    script = lambda attempt, task: (Script(finish_after=None, fail_after=3.0, error=actor_died())  # noqa: E731
+                                    if attempt == 1 and task.rank == 1 else
+                                    Script(finish_after=None, fail_after=25.0, error=crash, epoch_s=10.0)
+                                    if attempt == 2 else Script(finish_after=None, epoch_s=10.0))
+    c, world, clock = make(tmp_path, script, job)
+    with pytest.raises(TrainingFailed) as raised:
+        run_fast(c)
+    assert "train.py:57: ValueError: 'Mean' object" in str(raised.value)
+    saved = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert saved["status"] == "failed" and "train.py:57" in saved["error"]
+    assert [e["epoch"] for e in saved["history"]] == [1, 2], "the epochs trained before the failure"
+    assert [t["rank"] for t in saved["tasks"]] == [0, 1] and all(t["node_ip"] for t in saved["tasks"])
+    assert [r["kind"] for r in saved["restarts"]] == ["actor_died"]
+    assert 'File "train.py:57"' in saved["traceback"]
 
 
 def test_peer_errors_within_the_grace_are_collected_root_cause_first(tmp_path):
@@ -177,6 +222,21 @@ def test_a_corrupt_checkpoint_falls_back_to_the_one_before_free_of_charge(tmp_pa
     assert [p.resume_from.step for p in world.payloads] == [20, 10]
     assert result.restarts[0]["kind"] == "checkpoint" and result.restarts[0]["resumed_from_step"] == 10
     assert result.status == "succeeded"  # max_restarts 0: the fallback was not charged
+
+
+def test_a_checkpoint_of_another_model_ends_the_job_and_is_never_trained_over(tmp_path):
+    storage = _checkpoints(tmp_path, [8])
+    latest = storage.latest()
+    before = sorted(p.name for p in (tmp_path / "ckpt").rglob("*"))
+    said = f"checkpoint {latest.path} does not fit this job's model (ValueError: Received incompatible tensor)"
+    mismatch = TaskError("CheckpointMismatch", said, False, f"CheckpointMismatch: {said}")
+    script = lambda attempt, task: Script(fail_after=0.5, error=mismatch) if attempt == 1 else Script()  # noqa: E731
+    job = make_job(tmp_path, checkpoint={"dir": str(tmp_path / "ckpt")}, failure={"max_restarts": 2})
+    c, world, _ = make(tmp_path, script, job, resume=True)
+    with pytest.raises(TrainingFailed, match="does not fit this job's model"):
+        run_fast(c)
+    assert len(world.groups) == 1, "no restart, no fresh start"
+    assert sorted(p.name for p in (tmp_path / "ckpt").rglob("*")) == before
 
 
 def test_an_elastic_restart_shrinks_to_what_the_cluster_holds(tmp_path):

@@ -27,6 +27,7 @@ class WorkerPayload:
     val_root: str | None = None
     checkpoint_dir: str | None = None  # absolute path or URI, the same for every process
     resume_from: CheckpointInfo | None = None
+    job_dir: str | None = None  # the job folder on the driver's machine: errors name files relative to it
 
     def function(self, key: str) -> Callable:
         """Import spec.<key> (`module:function`; key as in spec.FUNCTION_KEYS, e.g. data.preprocess) inside the
@@ -50,7 +51,8 @@ class TaskContext:
     """A task's view of itself, and its channel to the driver: progress (read by the driver while the
     loop runs, from another thread of the actor) and per-epoch metrics.
 
-    For `train_fn` users: `strategy`, `rank`, `world_size`, `num_replicas`, `per_replica_batch_size`,
+    For `train_fn` users: `strategy` (and `coordinator` under parameter servers), `rank`, `world_size`,
+    `num_replicas`, `per_replica_batch_size`,
     `global_batch_size`, `steps_per_epoch`, `validation_steps`, `is_chief`, `spec`, `build_model()`;
     `dataset(name)` / `distributed_dataset(name)` (this worker's shard of the job's data),
     `checkpoint(model=..., optimizer=...)` (save(step) / restore()), `step(step, loss)` as steps go,
@@ -65,6 +67,7 @@ class TaskContext:
         self.global_batch_size = spec.train.global_batch_size
         self.staging_dir = staging_dir
         self.strategy = None
+        self.coordinator = None  # a parameter-server train_fn: the chief's tf.distribute.coordinator.ClusterCoordinator
         self.num_replicas = None
         self.per_replica_batch_size = None
         self.history: list[dict[str, Any]] = []
@@ -155,8 +158,9 @@ class TaskContext:
 
     def progress(self) -> dict[str, Any]:
         """The latest step, and every epoch's metrics so far (so a slow poller misses none)."""
-        with self._lock:
-            return {**self._progress, "epochs": list(self._epochs), "evaluations": list(self._evaluations)}
+        with self._lock:  # cpu_s: the process's CPU time, the watchdog's sign of life where no step is said
+            return {**self._progress, "epochs": list(self._epochs), "evaluations": list(self._evaluations),
+                    "cpu_s": time.process_time()}
 
     # -- for train_fn users
     def step(self, step: int, loss=None) -> None:
@@ -191,7 +195,7 @@ class TaskContext:
 
     def _own_loop(self, what: str):
         if self.own_loop is None:
-            raise RuntimeError(f"ctx.{what}() is for a train_fn under strategy: mirrored")
+            raise RuntimeError(f"ctx.{what}() is for a train_fn")
         return self.own_loop
 
     def report(self, metrics: dict[str, Any]) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import ray
 
-from raytf.actor import scratch
+from raytf.actor import raised, scratch, workdir
 from raytf.actor.context import TaskContext, WorkerPayload
 from raytf.rendezvous import ActorReport, Task
 
@@ -40,6 +40,7 @@ class TaskActor:
         self._started = None  # what it started: the strategy, or a parameter-server task's TF server
         self._scratch = self._staging = None  # this task's folder on the node, made in setup
         self._tempdir_before = tempfile.tempdir
+        self._job_root = os.getcwd()  # the job folder as Ray unpacked it on this node, shared by its tasks
         # Import TensorFlow while the rendezvous goes on (seconds of CPU; reading TF_CONFIG and starting
         # the server happen later, in setup). setup waits for this import through Python's import lock.
         self._tf_import = threading.Thread(target=importlib.import_module, args=("tensorflow",), daemon=True)
@@ -69,7 +70,13 @@ class TaskActor:
     def setup(self, task: Task, tf_config: str, world_size: int, payload: WorkerPayload) -> dict[str, Any]:
         """Set TF_CONFIG, then let the strategy's actor half bring up its part (a server, the strategy).
         A port lost to another process surfaces as PortTaken, which the controller answers with a fresh
-        rendezvous."""
+        rendezvous. Any other exception reaches the driver as a TaskException (raytf.actor.raised)."""
+        try:
+            return self._setup(task, tf_config, world_size, payload)
+        except Exception as exc:
+            raise raised.capture(exc, [self._job_root, payload.job_dir]) from None
+
+    def _setup(self, task: Task, tf_config: str, world_size: int, payload: WorkerPayload) -> dict[str, Any]:
         from raytf import backends
         from raytf.errors import PortTaken
 
@@ -114,6 +121,7 @@ class TaskActor:
         os.mkdir(self._staging)
         os.mkdir(os.path.join(self._scratch.path, "tmp"))
         tempfile.tempdir = os.path.join(self._scratch.path, "tmp")
+        workdir.enter(self._job_root, os.path.join(self._scratch.path, "work"))  # relative writes: this task's
         self._sweep_node()
 
     def _sweep_node(self) -> None:
@@ -123,7 +131,10 @@ class TaskActor:
     def train(self, payload: WorkerPayload) -> dict[str, Any]:
         started = time.time()
         try:
-            outcome = self._backend.train(self._started, self._task, payload, self._ctx)
+            try:
+                outcome = self._backend.train(self._started, self._task, payload, self._ctx)
+            except Exception as exc:
+                raise raised.capture(exc, [self._job_root, payload.job_dir]) from None
             outcome.update(rank=self._ctx.rank, started_at=started, finished_at=time.time(),
                            first_step_at=self._ctx.first_step_at)
             outcome["artifacts"] = _collect(self._staging)  # the chief's model and events; any rank's profile
@@ -137,6 +148,7 @@ class TaskActor:
         never returns from train), before killing them."""
         if self._scratch is not None:
             tempfile.tempdir = self._tempdir_before
+            os.chdir(self._job_root)  # out of the folder being removed
             self._scratch.remove()
 
     def stop_at(self, step: int) -> dict[str, Any]:

@@ -24,11 +24,13 @@ from raytf.driver.group import Finished, Resources, TaskError, WorkerGroup
 from raytf.driver.packaging import runtime_env, upload_code
 from raytf.driver.policy import (
     Limits,
+    Heard,
     ReplacementPolicy,
     RestartPolicy,
     ScalingPolicy,
     checkpoint_fits,
     elastic_batch,
+    heard,
     peer_grace_s,
     stalled,
     stop_step,
@@ -59,10 +61,10 @@ class WallClock:
 def build_payload(job: Job) -> WorkerPayload:
     spec = job.spec
     if spec.data is None:
-        return WorkerPayload(spec=spec, checkpoint_dir=job.checkpoint_dir)
+        return WorkerPayload(spec=spec, checkpoint_dir=job.checkpoint_dir, job_dir=str(job.job_dir))
     val = spec.data.validation
     return WorkerPayload(
-        spec=spec,
+        spec=spec, job_dir=str(job.job_dir),
         train_data=job.datasets.get("train"), train_root=job.actor_data_path(spec.data.train),
         val_data=job.datasets.get("validation"), val_root=job.actor_data_path(val) if val else None,
         checkpoint_dir=job.checkpoint_dir,
@@ -75,11 +77,13 @@ class EpochFeed:
 
     def __init__(self, display: ProgressDisplay, on_epoch: Callable[[dict[str, Any]], None] | None):
         self.display, self.on_epoch, self.last = display, on_epoch, 0
+        self.history: list[dict[str, Any]] = []  # every epoch fed, in order
 
     def feed(self, epochs: list[dict[str, Any]]) -> None:
         for metrics in epochs:
             if metrics.get("epoch", 0) > self.last:
                 self.last = metrics["epoch"]
+                self.history.append(dict(metrics))
                 self.display.epoch(metrics)
                 if self.on_epoch is not None:
                     self.on_epoch(dict(metrics))
@@ -138,7 +142,7 @@ class _Attempt:
     awaited: list = dataclasses.field(default_factory=list)  # handles the attempt waits for
     side: list = dataclasses.field(default_factory=list)  # handles not waited for whose failure is handled
     outcomes: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)  # by rank
-    progress_seen: dict[int, tuple[Any, float]] = dataclasses.field(default_factory=dict)  # rank -> (marker, when)
+    progress_seen: dict[int, Heard] = dataclasses.field(default_factory=dict)  # watched rank -> its last progress
     training_done_at: float | None = None  # every hang-watched task returned (an evaluator may go on)
     replacing: list[_Replacement] = dataclasses.field(default_factory=list)
     replacements: ReplacementPolicy | None = None
@@ -209,7 +213,7 @@ class Controller:
                 raise self.error
         except BaseException as exc:
             self._stop_group()
-            self.result.error = str(exc)
+            self._record_failure(exc)
             self._write()
             raise
         finally:
@@ -302,7 +306,7 @@ class Controller:
             self.display.message(f"raytf: {exc}; new rendezvous (attempt {a.rendezvous_tries + 1})")
             return
         except WorkerStartupError as exc:  # actors that did not start, report in or set up in time
-            return self._attempt_failed(Failure("startup", str(exc), (), {str(exc): []}))
+            return self._attempt_failed(Failure("startup", str(exc), (), {str(exc): []}, traceback=exc.traceback))
         self.result.rendezvous_attempts = a.rendezvous_tries
         self._phase("start_s")
         self.display.message("raytf: " + ", ".join(
@@ -314,7 +318,7 @@ class Controller:
             supervision = self.backend.supervision[task.role]
             (a.awaited if supervision.awaited else a.side).append(handle)
             if supervision.watched:
-                a.progress_seen[task.rank] = (None, now)
+                a.progress_seen[task.rank] = Heard(None, now)
         # Warm processes for the next attempt import TensorFlow while the first one builds its model;
         # after a restart, only once it trains again (they would slow the recovery down).
         if not self.decisions:
@@ -338,13 +342,12 @@ class Controller:
             for rank in a.progress_seen:
                 p = progress[rank]
                 if p is not None and rank not in a.outcomes:
-                    marker = (p.get("phase"), p.get("global_step"))
-                    if marker != a.progress_seen[rank][0]:
-                        a.progress_seen[rank] = (marker, now)
+                    a.progress_seen[rank] = heard(a.progress_seen[rank], (p.get("phase"), p.get("global_step")),
+                                                  p.get("cpu_s"), now, hang_timeout_s, self.limits)
             a.last_step = max([a.last_step] + [p.get("global_step", 0) for p in progress if p])
             if self._watch_drains(progress, now):
                 return  # the attempt ended for a drained node
-            hung = stalled({r: seen for r, (_, seen) in a.progress_seen.items() if r not in a.outcomes}, now,
+            hung = stalled({r: seen.at for r, seen in a.progress_seen.items() if r not in a.outcomes}, now,
                            hang_timeout_s)
             if hung:
                 message = (f"training hung: no progress from {self.backend.who(hung)} for {hang_timeout_s:g}s "
@@ -449,6 +452,7 @@ class Controller:
                               {**notice.details(self.clock.now(), None), "cause": failure.message})
             nodes = [notice.node_ip]
         failure.details.setdefault("last_step", a.last_step if a is not None else 0)
+        self._last_epochs()
         self._stop_group()
         self.failure = (failure, nodes or [])
         self.state = RESTARTING
@@ -548,7 +552,8 @@ class Controller:
         decision = self.restart_policy.decide(failure, charged)
         if decision.action == "raise":
             self.error = TrainingFailed(f"training failed: {failure.message}"
-                                        + (f" ({decision.reason})" if self.decisions else ""), failure.causes)
+                                        + (f" ({decision.reason})" if self.decisions else ""), failure.causes,
+                                        failure.traceback)
             self.state = FAILED
             return
         resumed = self.attempt.payload.resume_from
@@ -583,13 +588,7 @@ class Controller:
         if evaluator:
             result.evaluations = evaluator[0].get("evaluations", [])
             _merge_evaluations(result.history, result.evaluations)
-        result.tasks = [dict(rank=t.rank, role=self.backend.role_name(t), index=t.index, node_ip=t.node_ip,
-                             node_id=t.node_id, address=t.address, gpu_ids=list(t.gpu_ids),
-                             cuda_visible_devices=t.cuda_visible_devices,
-                             weights_digest=a.outcomes.get(t.rank, {}).get("weights_digest"),
-                             steps=a.outcomes.get(t.rank, {}).get("steps"),
-                             optimizer_steps=a.outcomes.get(t.rank, {}).get("optimizer_steps"))
-                        for t in a.tasks]
+        result.tasks = self._task_entries(a)
         timing = {}  # "worker-<i>" -> its input wait and step time (each mirrored worker's own; the PS chief's)
         for outcome in a.outcomes.values():
             timing.update(outcome.get("timing") or {})
@@ -619,11 +618,44 @@ class Controller:
 
     # ---------------------------------------------------------------- helpers
 
+    def _task_entries(self, a: _Attempt) -> list[dict[str, Any]]:
+        """result.json's tasks: where each ran, and what it returned (nothing yet, for a failed attempt)."""
+        return [dict(rank=t.rank, role=self.backend.role_name(t), index=t.index, node_ip=t.node_ip,
+                     node_id=t.node_id, address=t.address, gpu_ids=list(t.gpu_ids),
+                     cuda_visible_devices=t.cuda_visible_devices,
+                     weights_digest=a.outcomes.get(t.rank, {}).get("weights_digest"),
+                     steps=a.outcomes.get(t.rank, {}).get("steps"),
+                     optimizer_steps=a.outcomes.get(t.rank, {}).get("optimizer_steps"))
+                for t in a.tasks]
+
+    def _record_failure(self, exc: BaseException) -> None:
+        """A job that ends without success keeps what it did: the epochs it finished (across restarts),
+        the tasks of its last attempt, the error and, where a task raised it, its traceback."""
+        result = self.result
+        result.error = str(exc)
+        result.traceback = getattr(exc, "traceback", None)
+        if not result.history:
+            result.history = list(self.epochs.history)
+        if not result.tasks and self.attempt is not None and self.attempt.tasks:
+            result.tasks = self._task_entries(self.attempt)
+
     def _arm_standby(self) -> None:
         a = self.attempt
         a.standby_armed = True
         if self.backend.supports_standby:
             self.resources.fill_standby(self.pg, self.env, a.tasks, self.spec.name)
+
+    def _last_epochs(self) -> None:
+        """The epochs the chief finished since the last poll (a train_fn may report one and fail at once)."""
+        a = self.attempt
+        if a is None or a.group is None or not a.tasks:
+            return
+        try:
+            chief = a.group.progress(self.limits.progress_timeout_s)[0]
+        except Exception:  # the group is going down; what was seen is kept
+            return
+        if chief is not None:
+            self.epochs.feed(chief.get("epochs", []))
 
     def _stop_group(self) -> None:
         if self.attempt is not None and self.attempt.group is not None:
@@ -665,7 +697,8 @@ def run(job: Job, group_cls: Callable[..., WorkerGroup] | None = None,
         standby = spec.failure.standby and spec.failure.max_restarts > 0
         resources = RayResources(group_cls or RayWorkerGroup, standby_enabled=standby,
                                  standby_check_s=limits.standby_check_s)
-    env = code_env if code_env is not None else upload_code(runtime_env(job), verbose=verbose)
+    env = code_env if code_env is not None else upload_code(runtime_env(job), verbose=verbose,
+                                                             note=display.message if display else None)
     controller = Controller(job, resources, env=env, limits=limits, clock=clock, display=display, resume=resume,
                             on_epoch=on_epoch, placement_group=placement_group)
     return controller.run()
@@ -682,7 +715,8 @@ def _merge_evaluations(history: list[dict[str, Any]], evaluations: list[dict[str
 
 def _rank_error(rank: int, error: TaskError) -> failure_lib.RankError:
     return failure_lib.RankError(rank, failure_lib.classify(error.type_name, error.message,
-                                                            actor_died=error.actor_died), error.described)
+                                                            actor_died=error.actor_died), error.described,
+                                 error.traceback)
 
 
 def _checkpoint_storage(job: Job, resume: bool) -> Storage | None:

@@ -25,6 +25,7 @@ class RankError:
     rank: int
     kind: Kind
     message: str
+    traceback: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +35,7 @@ class Failure:
     ranks: tuple[int, ...]  # the ranks of the root cause
     causes: dict  # message -> ranks, root cause first
     details: dict = dataclasses.field(default_factory=dict)  # more for result.json's restart entry
+    traceback: str | None = None  # the root cause's, where a task raised it
 
 
 def classify(type_name: str, message: str, actor_died: bool = False) -> Kind:
@@ -65,4 +67,5 @@ def aggregate(errors: list[RankError]) -> Failure:
     root = ordered[0][1]
     lines = [f"rank(s) {', '.join(map(str, ranks))}: {msg}" for msg, ranks in causes.items()]
     message = lines[0] + ("; then " + "; ".join(lines[1:]) if len(lines) > 1 else "")
-    return Failure(kind=root.kind, message=message, ranks=tuple(causes[root.message]), causes=causes)
+    return Failure(kind=root.kind, message=message, ranks=tuple(causes[root.message]), causes=causes,
+                   traceback=root.traceback)

@@ -24,6 +24,7 @@ class TaskError:
     message: str
     actor_died: bool
     described: str
+    traceback: str | None = None  # the task's, where it raised (not when its actor died)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,6 +29,11 @@ class Limits:
     drain_check_s: float = 1.0  # how often Ray's GCS is asked which nodes are draining
     preempt_margin_s: float = 0.5  # training time allowed for a "stop at step S" to reach every worker
     preempt_wait_s: float = 120.0  # a drain without a deadline: how long the checkpoint-now may take
+    # A rank that reports no step (a train_fn's tf.keras fit, a long custom-loop epoch) is alive while its
+    # process computes: at least this share of one core over a window (at most half of hang_timeout_s).
+    # Training uses most of its cores; a task stuck in a collective or asleep uses ~0.01 (measured).
+    busy_cpu_share: float = 0.1
+    busy_window_s: float = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +150,34 @@ def checkpoint_fits(seconds_left: float | None, checkpoint_s: float | None, to_s
     if seconds_left is None or checkpoint_s is None:
         return True
     return seconds_left > to_stop_s + 2 * checkpoint_s + 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Heard:
+    """What the watchdog last took for progress of a rank: its (phase, step) marker, when, and the CPU
+    seconds its process had used by then (None until it said)."""
+
+    marker: object
+    at: float
+    cpu_s: float | None = None
+
+
+def heard(last: Heard, marker: object, cpu_s: float | None, now: float, hang_timeout_s: float,
+          limits: Limits) -> Heard:
+    """A rank's progress after one answer: a new step or phase, or, for a loop that says no steps, its
+    process computing (CPU time at least `busy_cpu_share` of the wall time since the last progress, over at
+    least the busy window). A process asleep, or blocked on a peer that never comes, uses next to no CPU."""
+    if marker != last.marker:
+        return Heard(marker, now, cpu_s)
+    if cpu_s is None:
+        return last
+    if last.cpu_s is None:  # the first CPU reading: a baseline, not yet progress
+        return dataclasses.replace(last, cpu_s=cpu_s)
+    window_s = min(limits.busy_window_s, hang_timeout_s / 2)
+    elapsed = now - last.at
+    if elapsed >= window_s and cpu_s - last.cpu_s >= limits.busy_cpu_share * elapsed:
+        return Heard(marker, now, cpu_s)
+    return last
 
 
 def stalled(last_progress_at: dict[int, float], now: float, hang_timeout_s: float) -> list[int]:

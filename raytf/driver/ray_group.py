@@ -15,7 +15,7 @@ from raytf.actor.context import WorkerPayload
 from raytf.actor.task_actor import TaskActor
 from raytf.driver import placement
 from raytf.driver.group import Finished, TaskError
-from raytf.errors import PortTaken, WorkerStartupError
+from raytf.errors import PortTaken, TaskException, WorkerStartupError
 from raytf.rendezvous import ActorReport, Task, task_name, tf_config, tf_configs
 
 _RemoteTaskActor = ray.remote(TaskActor)
@@ -31,17 +31,25 @@ def root_cause(exc: BaseException) -> BaseException:
 
 
 def describe(exc: BaseException) -> str:
+    """One line: the user's file:line where there is one, the exception's type and what it says."""
     exc = root_cause(exc)
     if isinstance(exc, RayActorError):
         return f"actor died ({str(exc).splitlines()[0][:300]})"
-    line = summary(str(exc))
-    name = type(exc).__name__
-    return line if line.startswith(f"{name}: ") else f"{name}: {line}".strip()
+    if isinstance(exc, TaskException):
+        name, line = exc.type_name, summary(exc.message)
+    else:
+        name, line = type(exc).__name__, summary(str(exc))
+    said = line if line.startswith(f"{name}: ") else f"{name}: {line}".strip()
+    where = getattr(exc, "where", None)
+    return f"{where}: {said}" if where else said
 
 
 def task_error(exc: BaseException) -> TaskError:
     cause = root_cause(exc)
-    return TaskError(type(cause).__name__, str(cause), isinstance(cause, RayActorError), describe(exc))
+    if isinstance(cause, TaskException):
+        return TaskError(cause.type_name, cause.message, False, describe(exc), cause.traceback)
+    return TaskError(type(cause).__name__, str(cause), isinstance(cause, RayActorError), describe(exc),
+                     getattr(cause, "traceback", None))
 
 
 _TF_PREAMBLE = ("Graph execution error", "in user code:", "Detected at node", "File ", "[[", "(most recent call last)")
@@ -271,7 +279,9 @@ class RayWorkerGroup:
                 cause = root_cause(exc)
                 if isinstance(cause, PortTaken):
                     raise cause from None
-                raise WorkerStartupError(f"workers failed to {what}: {name_of[done[0]]}: {describe(exc)}") from None
+                error = WorkerStartupError(f"workers failed to {what}: {name_of[done[0]]}: {describe(exc)}")
+                error.traceback = getattr(cause, "traceback", None)
+                raise error from None
         return ray.get(refs)
 
 

@@ -35,6 +35,7 @@ class Result:
     restarts: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # when, why, ranks, nodes, resumed step
     phases: dict[str, float] = dataclasses.field(default_factory=dict)  # reserve_s, start_s, train_s, finish_s
     error: str | None = None
+    traceback: str | None = None  # a failed task's whole traceback (-v prints it)
     # parameter_server: where each model variable lives ({path: [device per shard]}), the evaluator's
     # results per checkpoint, and workers that died and were (or could not be) brought back
     variable_devices: dict[str, list[str]] = dataclasses.field(default_factory=dict)
@@ -52,6 +53,9 @@ class Result:
     def write(self) -> Path:
         path = Path(self.output_dir) / "result.json"
         path.parent.mkdir(parents=True, exist_ok=True)
+        from raytf.driver.packaging import mark_output  # a later job's package leaves this folder out
+
+        mark_output(path.parent)
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(self.to_dict(), indent=2, default=str) + "\n")
         os.replace(tmp, path)  # readers never see half a file

@@ -1,0 +1,54 @@
+"""An exception raised inside a task, turned into plain data the driver can show: its type, message, the
+user's file:line and the whole traceback. Pure Python: no Ray, no TensorFlow.
+
+The user's line is the deepest frame in a file of the job folder. Where that is not on the Python stack (an
+error TensorFlow raises from a traced tf.function points at AutoGraph's generated files), it is the last
+`File "...", line N` of the message that names a job file: TensorFlow lists the user's frames there.
+"""
+from __future__ import annotations
+
+import os
+import re
+import traceback
+
+from raytf.errors import RaytfError, TaskException
+
+_FILE_LINE = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def user_line(frames: list[tuple[str, int]], message: str, job_roots: list[str]) -> str | None:
+    """`file.py:LINE` (relative to the job folder) of the deepest frame in a job file, else of the last one
+    the message names; None when neither names a job file. `job_roots`: where the job folder is seen from
+    the task: its unpacked copy, and the driver's folder itself (a node of the driver's machine imports the
+    job's modules from there, through the driver's sys.path that Ray hands its workers)."""
+    roots = [os.path.realpath(r) for r in job_roots if r]
+
+    def inside(path: str) -> str | None:
+        real = os.path.realpath(path)
+        for root in roots:
+            if real.startswith(root + os.sep):
+                rel = os.path.relpath(real, root)
+                return None if rel.split(os.sep, 1)[0] in ("site-packages", "dist-packages") else rel
+        return None
+
+    for path, line in reversed(frames):
+        rel = inside(path)
+        if rel is not None:
+            return f"{rel}:{line}"
+    for path, line in reversed(_FILE_LINE.findall(message)):
+        rel = inside(path)
+        if rel is not None:
+            return f"{rel}:{line}"
+    return None
+
+
+def capture(exc: BaseException, job_roots: list[str]) -> BaseException:
+    """What to raise to the driver instead of `exc`: raytf's own errors as they are (the driver acts on their
+    type), anything else as a TaskException that keeps the original type's name, so failures are still
+    classified by it."""
+    if isinstance(exc, RaytfError):
+        return exc
+    frames = [(f.filename, f.lineno or 0) for f in traceback.extract_tb(exc.__traceback__)]
+    message = str(exc)
+    return TaskException(type(exc).__name__, message, user_line(frames, message, job_roots),
+                         "".join(traceback.format_exception(exc)))

@@ -1,0 +1,24 @@
+"""A task's own working folder: the job folder's entries, linked, in a folder of the task's own.
+
+Ray unpacks a job's folder once per node and starts every actor of the job there, so two tasks on one node
+writing the same relative path (TensorFlow's custom-training tutorial saves `./training_checkpoints/ckpt` on
+every worker) collide. Each task runs in a folder of its own instead, inside its scratch folder (removed
+when the task ends): the job's files and folders appear there as links, so reading them works as before,
+and a new relative file or folder is this task's alone. Pure file-system work: no Ray, no TensorFlow.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+
+def enter(job_root: str, folder: str) -> str:
+    """Make `folder` (new) hold a link to each entry of `job_root`, keep the job's modules importable, and
+    make `folder` the working directory. Returns `folder`."""
+    os.mkdir(folder)
+    for entry in os.scandir(job_root):
+        os.symlink(entry.path, os.path.join(folder, entry.name), target_is_directory=entry.is_dir())
+    if job_root not in sys.path:  # modules were found through the working directory ('' on sys.path) so far
+        sys.path.insert(0, job_root)
+    os.chdir(folder)
+    return folder

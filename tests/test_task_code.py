@@ -1,0 +1,86 @@
+"""What a task does with the user's code, without Ray or TensorFlow: the error it sends back names the user's
+file and line (raytf.actor.raised), and each task runs in a working folder of its own (raytf.actor.workdir)."""
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from raytf.actor import raised
+from raytf.driver.ray_group import describe, task_error
+from raytf.errors import CheckpointCorrupt, TaskException
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_the_users_line_is_the_deepest_frame_in_a_job_file(tmp_path):
+    job = str(tmp_path / "job")
+    frames = [("/usr/lib/python3.11/runpy.py", 10), (f"{job}/train.py", 40), (f"{job}/lib/model.py", 7),
+              ("/site-packages/keras/src/layers/core.py", 300), ("/tmp/__autograph_generated_filex.py", 3)]
+    assert raised.user_line(frames, "", [job]) == os.path.join("lib", "model.py") + ":7"
+    assert raised.user_line(frames[:2], "", ["/elsewhere", job]) == "train.py:40"
+    # a traced tf.function's error: the Python stack shows AutoGraph's files; TensorFlow lists the user's in the text
+    message = f'in user code:\n\n    File "{job}/train.py", line 12, in step\n        loss = boom()\n'
+    assert raised.user_line(frames[3:], message, [job]) == "train.py:12"
+    assert raised.user_line(frames[3:], "no file named", [job]) is None
+    assert raised.user_line([(f"{job}x/other.py", 3)], "", [job]) is None  # a sibling folder is not the job's
+
+
+def test_a_captured_exception_keeps_type_message_line_and_traceback_across_pickling(tmp_path):
+    (tmp_path / "usercode.py").write_text("def fit(metric):\n    metric.reset_states()\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import usercode
+        try:
+            usercode.fit(object())
+        except AttributeError as exc:
+            captured = raised.capture(exc, [str(tmp_path)])
+    finally:
+        sys.path.remove(str(tmp_path))
+    back = pickle.loads(pickle.dumps(captured))  # as Ray carries it from the actor
+    assert isinstance(back, TaskException) and back.type_name == "AttributeError" and back.where == "usercode.py:2"
+    assert "metric.reset_states()" in back.traceback
+    assert describe(back) == "usercode.py:2: AttributeError: 'object' object has no attribute 'reset_states'"
+    error = task_error(back)
+    assert error.type_name == "AttributeError" and error.traceback == back.traceback and not error.actor_died
+    # raytf's own errors pass as they are: the driver acts on their type
+    corrupt = CheckpointCorrupt("/c/ckpt-1", "truncated")
+    assert raised.capture(corrupt, [str(tmp_path)]) is corrupt
+
+
+# One task: enters its own folder from the shared job folder, saves "./training_checkpoints/ckpt" five times
+# (as TensorFlow's tutorial does on every worker), then lists what its working directory shows.
+TASK = textwrap.dedent("""
+    import os, sys, tempfile, time
+    from raytf.actor import workdir
+    job, rank = sys.argv[1], sys.argv[2]
+    os.chdir(job)  # Ray starts every task of a node in the one unpacked job folder
+    workdir.enter(job, tempfile.mkdtemp(prefix="task-") + "/work")
+    import helper  # the job's modules still import
+    assert open("data/rows.txt").read() == "1,2,3"  # and its files read as before
+    for i in range(5):
+        os.makedirs("training_checkpoints", exist_ok=True)
+        with open(f"training_checkpoints/ckpt-{i}_temp", "w") as f:
+            f.write(rank)
+        time.sleep(0.02)
+        os.replace(f"training_checkpoints/ckpt-{i}_temp", f"training_checkpoints/ckpt-{i}")
+    open(f"rank-{rank}.txt", "w").close()
+    time.sleep(0.3)
+    mine = {open(f"training_checkpoints/ckpt-{i}").read() for i in range(5)}
+    print(sorted(f for f in os.listdir(".") if f.startswith("rank-")), sorted(mine))
+""")
+
+
+def test_two_tasks_writing_the_same_relative_path_each_get_their_own(tmp_path):
+    job = tmp_path / "job"
+    (job / "data").mkdir(parents=True)
+    (job / "data" / "rows.txt").write_text("1,2,3")
+    (job / "helper.py").write_text("")
+    procs = [subprocess.Popen([sys.executable, "-c", TASK, str(job), str(r)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=50) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
+    assert [out.strip() for out, _ in outs] == ["['rank-0.txt'] ['0']", "['rank-1.txt'] ['1']"]
+    assert sorted(os.listdir(job)) == ["data", "helper.py"], "nothing written into the shared job folder"
