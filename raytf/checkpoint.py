@@ -93,9 +93,16 @@ class Storage:
         return usable[-1] if usable else None
 
     def upload(self, local_dir: str, meta: dict[str, Any]) -> str:
-        """Copy local_dir's files to ckpt-<step>/, then write raytf.json: the marker of a complete checkpoint."""
+        """Copy local_dir's files to ckpt-<step>/, then write raytf.json: the marker of a complete checkpoint.
+        A complete checkpoint already at that step is never written into (it is returned as it is); an
+        incomplete one (an upload cut short) is replaced."""
         name = f"{PREFIX}{meta['step']:012d}"
         target = self._full(name)
+        found = self.fs.get_file_info([target, posixpath.join(target, META)])
+        if found[1].type == pafs.FileType.File:
+            return self.uri(target)
+        if found[0].type == pafs.FileType.Directory:
+            self.fs.delete_dir(target)
         self.fs.create_dir(target, recursive=True)
         for file in sorted(os.listdir(local_dir)):
             with open(os.path.join(local_dir, file), "rb") as src, \

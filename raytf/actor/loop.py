@@ -23,7 +23,7 @@ from raytf.actor import schedules
 from raytf.actor import steps as steps_lib
 from raytf.actor.context import TaskContext, WorkerPayload
 from raytf.checkpoint import META, CheckpointInfo, Storage
-from raytf.errors import CheckpointCorrupt
+from raytf.errors import CheckpointCorrupt, CheckpointMismatch
 
 
 class Runner(Protocol):
@@ -240,7 +240,9 @@ def read_state(state: tf.train.Checkpoint, resume: CheckpointInfo, location: str
             check(meta, resume.path)
         try:
             state.read(os.path.join(local, "state"), options=options).assert_existing_objects_matched()
-        except Exception as exc:
+        except _MISMATCH as exc:  # it reads, but holds another model: no fallback, never a fresh start
+            raise CheckpointMismatch(resume.path, _first_line(exc)) from None
+        except Exception as exc:  # files missing, cut short or unreadable: the one before may do
             raise CheckpointCorrupt(resume.path, _first_line(exc)) from None
     finally:
         if keep_in is None:
@@ -265,6 +267,12 @@ def write_state(state: tf.train.Checkpoint, storage: Storage, ctx: TaskContext, 
         shutil.rmtree(local, ignore_errors=True)
     ctx.checkpointed(time.time() - started)
     ctx.phase("train")
+
+
+# What TensorFlow raises for a checkpoint that reads but does not fit: "Received incompatible tensor with shape
+# ..." (ValueError), variables without a value (assert_existing_objects_matched's AssertionError). Damaged
+# files raise anything else (DataLossError, NotFoundError, IndexError "Read less bytes than requested", ...).
+_MISMATCH = (ValueError, AssertionError)
 
 
 def _first_line(exc: BaseException) -> str:
