@@ -40,13 +40,15 @@ def fit(spec_or_path: "str | Mapping[str, Any] | JobSpec | Job", overrides: Mapp
     merged.update({k.replace("__", "."): v for k, v in dotted_overrides.items()})
     with quiet.native_noise_filtered(quiet.hide_native_noise(verbose)):
         job = spec_lib.load(spec_or_path, merged)
-    packaging.check_job_folder(job)
+    left_out = packaging.check_job_folder(job)
     display = display or ProgressDisplay(quiet=True)
+    if left_out:
+        display.message(left_out)
 
-    from raytf.driver import controller  # Ray: only once the spec is known to be good
+    from raytf.driver import controller, output  # Ray: only once the spec is known to be good
     from raytf.driver.session import ray_session
 
-    with ray_session(address, verbose) as logs_hint:
+    with output.claim(job), ray_session(address, verbose) as logs_hint:
         if logs_hint:
             display.message(logs_hint)
         return controller.run(job, display=display, resume=resume, verbose=verbose)
@@ -69,8 +71,10 @@ def tune(sweep_or_path: "str | Mapping[str, Any]", overrides: Mapping[str, Any] 
     merged.update({k.replace("__", "."): v for k, v in dotted_overrides.items()})
     with quiet.native_noise_filtered(quiet.hide_native_noise(verbose)):
         plan = tuner.prepare(sweep_or_path, merged)  # a bad sweep fails here, before Ray starts
-    packaging.check_job_folder(plan.base)
+    left_out = packaging.check_job_folder(plan.base)
     display = display or ProgressDisplay(quiet=True)
+    if left_out:
+        display.message(left_out)
 
     from raytf.driver.session import ray_session
 

@@ -6,6 +6,7 @@ Exit codes: 0 success, 1 training or startup failed, 2 bad job spec, 3 resources
 from __future__ import annotations
 
 import contextlib
+import functools
 import signal
 import sys
 
@@ -23,21 +24,46 @@ def main() -> None:
     """Distributed TensorFlow training on Ray."""
 
 
+def _stderr_filtered(command):
+    """The command's whole life (to the process's exit): TensorFlow's native start-up lines are kept off
+    stderr, whenever TensorFlow is imported (raytf.driver.quiet); not with -v, nor with a TF_CPP_MIN_LOG_LEVEL
+    of the user's own."""
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        from raytf.driver import quiet
+
+        quiet.filter_stderr(bool(kwargs.get("verbose", False)))
+        return command(*args, **kwargs)
+    return wrapper
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`ray job stop`, `raytf stop`, `kill`): the Ctrl-C path, exit 143 instead of 130."""
+
+
+_signals: list[int] = []  # the signals received: Ray re-raises a KeyboardInterrupt of its own on the way out
+
+
 def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
+    _signals.append(signum)
+    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
 
 @contextlib.contextmanager
-def _exit_on_error(interrupted: str = "raytf: interrupted"):
-    """A RaytfError becomes one line on stderr and its exit code; Ctrl-C exits 130 saying `interrupted`."""
+def _exit_on_error(interrupted: str = "raytf: interrupted", verbose: bool = False):
+    """A RaytfError becomes one line on stderr and its exit code (with -v, the failed task's traceback
+    first); Ctrl-C exits 130 saying `interrupted`."""
     try:
         yield
     except RaytfError as exc:
+        if verbose and exc.traceback:
+            click.echo(exc.traceback.rstrip(), err=True)
         click.echo(f"raytf: error: {exc}", err=True)
         sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
-        click.echo(interrupted, err=True)
-        sys.exit(130)
+    except KeyboardInterrupt as exc:  # 128 + the signal, as shells report it
+        terminated = isinstance(exc, Terminated) or signal.SIGTERM in _signals
+        click.echo(interrupted + (" (SIGTERM)" if terminated else ""), err=True)
+        sys.exit(143 if terminated else 130)
 
 
 @main.command()
@@ -48,6 +74,7 @@ def _exit_on_error(interrupted: str = "raytf: interrupted"):
 @click.option("--quiet", "-q", is_flag=True, help="No progress display; only errors and the final path.")
 @click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in checkpoint.dir.")
 @click.option("--verbose", "-v", is_flag=True, help=_VERBOSE_HELP)
+@_stderr_filtered
 def run(job_file: str, address: str | None, settings: tuple[str, ...], quiet: bool, resume: bool,
         verbose: bool) -> None:
     """Train the job in JOB_FILE (YAML) on the Ray cluster."""
@@ -59,7 +86,7 @@ def run(job_file: str, address: str | None, settings: tuple[str, ...], quiet: bo
     # `ray job stop` / `raytf stop` send SIGTERM: take the Ctrl-C path, so actors, the placement group
     # and result.json are dealt with before exiting.
     signal.signal(signal.SIGTERM, _interrupt)
-    with _exit_on_error("raytf: interrupted; actors and placement group released"):
+    with _exit_on_error("raytf: interrupted; actors and placement group released", verbose=verbose):
         result = fit(job_file, parse_set_options(list(settings)), address=address, display=display, resume=resume,
                      verbose=verbose)
     final = result.final
@@ -76,7 +103,9 @@ def data() -> None:
 
 @data.command("inspect")
 @click.argument("path")
-@click.option("--workers", "-n", default=2, show_default=True, help="Show the split over this many workers.")
+@click.option("--workers", "-n", default=2, show_default=True, type=click.IntRange(1, 4096),
+              help="Show the split over this many workers (1-4096).")
+@_stderr_filtered
 def data_inspect(path: str, workers: int) -> None:
     """Schema, row count, files, row groups of PATH (file, directory, glob or URI) and its split."""
     from raytf.data import inspect_report
@@ -91,6 +120,7 @@ def data_inspect(path: str, workers: int) -> None:
 @click.option("--files", default=4, show_default=True)
 @click.option("--row-group-size", default=8192, show_default=True)
 @click.option("--seed", default=0, show_default=True)
+@_stderr_filtered
 def data_synth_criteo(out_dir: str, rows: int, files: int, row_group_size: int, seed: int) -> None:
     """Write a click-through table shaped like Criteo's (label, I1..I13, C1..C26) as Parquet."""
     from raytf.synthetic import criteo_like
@@ -108,6 +138,7 @@ def data_synth_criteo(out_dir: str, rows: int, files: int, row_group_size: int, 
 @click.option("--quiet", "-q", is_flag=True, help="No per-trial progress lines; only the table and the paths.")
 @click.option("--resume", is_flag=True, help="Continue the stopped sweep in output.dir (finished trials are kept).")
 @click.option("--verbose", "-v", is_flag=True, help=_VERBOSE_HELP)
+@_stderr_filtered
 def tune_command(sweep_file: str, address: str | None, settings: tuple[str, ...], quiet: bool, resume: bool,
                  verbose: bool) -> None:
     """Sweep SWEEP_FILE (a job spec plus a tune: section) with Ray Tune; every trial is a distributed job.
@@ -139,6 +170,8 @@ def tune_command(sweep_file: str, address: str | None, settings: tuple[str, ...]
 # Extra exit codes of these commands: 4 the job was stopped, 5 the Jobs API could not be reached or
 # refused the token. `submit` and `logs --follow` exit with the job's own code (0, 1, 2, 3, 130).
 
+_ALLOW_HTTP_TOKEN_HELP = ("Send the cluster token over plain http to an address other than this machine (by default "
+                          "only https or http://127.0.0.1, the SSH port-forward, get it): only on a network you trust.")
 _ADDRESS_HELP = ("The Ray Jobs API (the head's dashboard URL). Default: RAY_API_SERVER_ADDRESS, RAY_ADDRESS, "
                  "else http://127.0.0.1:8265 (where `ray dashboard cluster.yaml` forwards it).")
 
@@ -170,17 +203,24 @@ def _follow_to_end(jobs, job_id: str) -> int:
               help="Override a spec key, e.g. --set train.epochs=3 (repeatable); passed on to `raytf run`.")
 @click.option("--no-wait", is_flag=True, help="Print the submission id and return at once.")
 @click.option("--verbose", "-v", is_flag=True, help=_VERBOSE_HELP + " Passed on to `raytf run`.")
-def submit(job_file: str, address: str | None, settings: tuple[str, ...], no_wait: bool, verbose: bool) -> None:
+@click.option("--allow-http-token", is_flag=True, help=_ALLOW_HTTP_TOKEN_HELP)
+@_stderr_filtered
+def submit(job_file: str, address: str | None, settings: tuple[str, ...], no_wait: bool, verbose: bool,
+           allow_http_token: bool) -> None:
     """Submit JOB_FILE to a Ray cluster through the Jobs API, follow its logs, exit with its status.
 
     The job file's folder is uploaded as the job's working directory, and the cluster runs
     `raytf run JOB_FILE` there. Ctrl-C stops following, not the job."""
     from raytf import submit as jobs_api
+    from raytf.driver import packaging
 
     def body() -> int:
         sub = jobs_api.prepare(job_file, settings, verbose=verbose)  # a bad spec fails here, before any network
-        jobs = jobs_api.Jobs(address)
-        job_id = jobs.submit(sub)
+        if sub.left_out:
+            click.echo(sub.left_out, err=True)
+        jobs = jobs_api.Jobs(address, allow_http_token=allow_http_token)
+        with packaging.ray_packaging_messages(verbose, note=lambda text: click.echo(text, err=True)):
+            job_id = jobs.submit(sub)  # uploads the job folder: Ray's lines about it only with -v
         click.echo(f"raytf: submitted {job_id} to {jobs.address} (working directory {sub.job_dir})", err=True)
         if no_wait:
             click.echo(job_id)
@@ -196,14 +236,16 @@ def submit(job_file: str, address: str | None, settings: tuple[str, ...], no_wai
 @main.command()
 @click.argument("job_id")
 @click.option("--address", default=None, help=_ADDRESS_HELP)
-def status(job_id: str, address: str | None) -> None:
+@click.option("--allow-http-token", is_flag=True, help=_ALLOW_HTTP_TOKEN_HELP)
+@_stderr_filtered
+def status(job_id: str, address: str | None, allow_http_token: bool) -> None:
     """Show a submitted job's status (and, if it failed, why)."""
     from raytf import submit as jobs_api
 
     def body() -> int:
         import time
 
-        info = jobs_api.Jobs(address).info(job_id)
+        info = jobs_api.Jobs(address, allow_http_token=allow_http_token).info(job_id)
         click.echo(jobs_api.describe(job_id, info))
         click.echo(f"  entrypoint: {info.entrypoint}")
         if info.start_time:
@@ -219,12 +261,14 @@ def status(job_id: str, address: str | None) -> None:
 @click.argument("job_id")
 @click.option("--address", default=None, help=_ADDRESS_HELP)
 @click.option("--follow", "-f", is_flag=True, help="Follow the logs until the job ends; exit with its status.")
-def logs(job_id: str, address: str | None, follow: bool) -> None:
+@click.option("--allow-http-token", is_flag=True, help=_ALLOW_HTTP_TOKEN_HELP)
+@_stderr_filtered
+def logs(job_id: str, address: str | None, follow: bool, allow_http_token: bool) -> None:
     """Print a submitted job's logs."""
     from raytf import submit as jobs_api
 
     def body() -> int:
-        jobs = jobs_api.Jobs(address)
+        jobs = jobs_api.Jobs(address, allow_http_token=allow_http_token)
         if follow:
             return _follow_to_end(jobs, job_id)
         click.echo(jobs.logs(job_id), nl=False)
@@ -238,12 +282,14 @@ def logs(job_id: str, address: str | None, follow: bool) -> None:
 @click.option("--address", default=None, help=_ADDRESS_HELP)
 @click.option("--timeout", "timeout_s", default=60.0, show_default=True, metavar="SECONDS",
               help="How long to wait for the job to end after the stop request.")
-def stop(job_id: str, address: str | None, timeout_s: float) -> None:
+@click.option("--allow-http-token", is_flag=True, help=_ALLOW_HTTP_TOKEN_HELP)
+@_stderr_filtered
+def stop(job_id: str, address: str | None, timeout_s: float, allow_http_token: bool) -> None:
     """Stop a submitted job; Ray frees its actors and placement group when its driver ends."""
     from raytf import submit as jobs_api
 
     def body() -> int:
-        info, stopped = jobs_api.Jobs(address).stop(job_id, timeout_s)
+        info, stopped = jobs_api.Jobs(address, allow_http_token=allow_http_token).stop(job_id, timeout_s)
         if not stopped:
             click.echo(f"raytf: job {job_id} had already ended: {info.status}")
             return 0
@@ -256,6 +302,7 @@ def stop(job_id: str, address: str | None, timeout_s: float) -> None:
 @main.command("spot-watch")
 @click.option("--interval", default=5.0, show_default=True, help="Seconds between looks at the instance metadata.")
 @click.option("--imds", default="http://169.254.169.254", show_default=True, help="The instance metadata service.")
+@_stderr_filtered
 def spot_watch(interval: float, imds: str) -> None:
     """On an EC2 Spot node: drain this Ray node when AWS announces its interruption (cluster.yaml starts it),
     so raytf jobs checkpoint before the node goes."""

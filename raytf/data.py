@@ -27,6 +27,9 @@ class Column:
     dtype: str  # numpy dtype name the tensor will have, "string" (text) or "bytes" (binary, e.g. an encoded image)
     shape: tuple[int, ...] = ()  # one row's: () a scalar, (n,) a vector, (h, w, c) a tensor; -1: read from the data
     fill: float | str | None = None  # value for nulls (data.fill_nulls); None: nulls are an error
+    # the stored numbers' kind before any cast ("integer" | "float"; "" for strings, bytes): a label vector of
+    # floats is one-hot or regression targets, one of integers may be per-position class ids
+    values: str = dataclasses.field(default="", compare=False)
 
     @property
     def tf_dtype(self) -> str:
@@ -143,6 +146,10 @@ def _is_number(t: pa.DataType) -> bool:
     return pa.types.is_floating(t) or pa.types.is_integer(t)
 
 
+def _is_text(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
 def _is_list(t: pa.DataType) -> bool:
     return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
 
@@ -165,20 +172,27 @@ def _column_info(field: pa.Field, key: str) -> Column:
     if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
         return Column(field.name, "bytes")  # e.g. an encoded image: data.decode or data.preprocess decodes it
     if pa.types.is_floating(t) or pa.types.is_decimal(t):
-        return Column(field.name, "float32")
+        return Column(field.name, "float32", values="float")
     if pa.types.is_integer(t) or pa.types.is_boolean(t):
-        return Column(field.name, "int64")
+        return Column(field.name, "int64", values="integer")
     if isinstance(t, pa.FixedShapeTensorType) and _is_number(t.value_type):  # Arrow's tensor extension type
         if t.permutation is not None and list(t.permutation) != sorted(t.permutation):
             raise SpecError(f"{key}: column {field.name!r} is a tensor stored permuted ({list(t.permutation)}); "
                             f"write it in row-major order (permutation none)")
-        return Column(field.name, _tensor_dtype(t.value_type), tuple(t.shape))
+        return Column(field.name, _tensor_dtype(t.value_type), tuple(t.shape), values=_values_kind(t.value_type))
     nested = _list_shape(t)
     if nested is not None and _is_number(nested[1]):
         shape, value_type = nested
-        return Column(field.name, _tensor_dtype(value_type) if len(shape) > 1 else "float32", shape)
+        return Column(field.name, _tensor_dtype(value_type) if len(shape) > 1 else "float32", shape,
+                      values=_values_kind(value_type))
+    if nested is not None and _is_text(nested[1]):  # e.g. tags: a fixed number of strings per row, (batch, n)
+        return Column(field.name, "string", nested[0])
     raise SpecError(f"{key}: column {field.name!r} has type {t}, which raytf cannot make a tensor from; "
-                    f"use numbers, (nested) lists of numbers, tensors, strings or binary")
+                    f"use numbers, (nested) lists of numbers or strings, tensors, strings or binary")
+
+
+def _values_kind(t: pa.DataType) -> str:
+    return "float" if pa.types.is_floating(t) else "integer"
 
 
 def _tensor_dtype(t: pa.DataType) -> str:
@@ -271,9 +285,9 @@ def describe(path: str, features: list[str], label: str, key: str = "data",
     for c, info in columns.items():  # every row group holds rows x shape values (its footer says, no read)
         if info.nested:
             _check_leaf_values(found, info, key)
-    if columns[label].nested or columns[label].dtype in ("string", "bytes"):
-        raise SpecError(f"{key}: label {label!r} has type {schema.field(label).type}; the label must be one number "
-                        f"per row (map string classes to integer ids first)")
+    if columns[label].dtype in ("string", "bytes"):  # numbers, or fixed-size lists of them (one-hot, multi-output)
+        raise SpecError(f"{key}: label {label!r} has type {schema.field(label).type}; the label must be numbers: one "
+                        f"per row, or a fixed-size list of them (map string classes to integer ids first)")
     return DatasetInfo(root=path, pieces=found.pieces, features=tuple(columns[f] for f in features),
                        label=columns[label])
 
@@ -346,9 +360,12 @@ def inspect_report(path: str, workers: int = 2) -> str:
             kinds[field.name] = None
     # binary columns and lists of unfixed length: sizes and shapes come from the first row group's rows
     sampled = [name for name, kind in kinds.items() if kind is not None and (-1 in kind.shape or kind.dtype == "bytes")]
-    if sampled:
+    # vectors: whether the first row group's rows are one-hot (then a label for categorical_crossentropy)
+    vectors = [name for name, kind in kinds.items()
+               if kind is not None and len(kind.shape) == 1 and kind.dtype != "string"]
+    if sampled or vectors:
         fs, root = _filesystem(path)
-        first = _read_piece(fs, root, found.pieces[0], sampled)
+        first = _read_piece(fs, root, found.pieces[0], list(dict.fromkeys([*sampled, *vectors])))
     for field in found.schema:
         kind = kinds[field.name]
         if field.name in sampled:
@@ -356,9 +373,11 @@ def inspect_report(path: str, workers: int = 2) -> str:
         elif kind is None:
             usable = "not usable as a tensor"
         elif kind.dtype == "string":
-            usable = "string (categorical)"
+            usable = "string" + (f" tensor{list(kind.shape)}" if kind.shape else "") + " (categorical)"
         else:
             usable = kind.dtype + (f" tensor{list(kind.shape)}" if kind.shape else "")
+        if field.name in vectors and not usable.startswith("ragged"):
+            usable += _one_hot_note(first.column(field.name))
         nulls = found.null_counts.get(field.name)
         lines.append(f"  {field.name}: {field.type} -> {usable}" + (f", {nulls:,} nulls" if nulls else ""))
     lines += ["", f"split over {workers} worker(s) (every row exactly once):"]
@@ -369,6 +388,24 @@ def inspect_report(path: str, workers: int = 2) -> str:
 
 
 DECODE_CHANNELS = {1: 1, 2: 1, 3: 3, 4: 4}  # an image's channels -> what data.decode offers (grey+alpha: grey)
+
+
+def _one_hot_note(column: pa.ChunkedArray) -> str:
+    """A vector column whose first row group's rows are one-hot (0/1, one 1 each): what it is as a label."""
+    import numpy as np
+
+    array = column.combine_chunks()
+    if array.null_count or not len(array):
+        return ""
+    values = np.asarray(array.flatten().to_numpy(zero_copy_only=False), dtype=np.float64)
+    width = len(values) // len(array)
+    if width < 2 or len(values) != width * len(array):
+        return ""
+    rows = values.reshape(len(array), width)
+    if not (np.isin(rows, (0.0, 1.0)).all() and (rows.sum(axis=1) == 1).all()):
+        return ""
+    return (f", one-hot over {width} classes in the first row group (as the label: loss categorical_crossentropy, "
+            f"metric accuracy)")
 
 
 def _describe_sampled(kind: Column, column: pa.ChunkedArray, key: str, piece: Piece) -> str:
@@ -411,7 +448,7 @@ def to_numpy(column: pa.ChunkedArray | pa.Array, info: Column):
             array = pc.fill_null(array, pa.scalar(info.fill, array.type))
         if array.null_count:
             raise ValueError(f"column {info.name!r}: null lists cannot be filled; clean the data")
-    if info.dtype == "string":
+    if info.dtype == "string" and not info.nested:
         return np.asarray(array.cast(pa.string()).to_numpy(zero_copy_only=False), dtype=object)
     if info.dtype == "bytes":
         return np.asarray(array.to_numpy(zero_copy_only=False), dtype=object)
@@ -429,7 +466,12 @@ def to_numpy(column: pa.ChunkedArray | pa.Array, info: Column):
                                  f"{list(info.shape)}, from the first row group)")
         values = values.flatten()  # honours slicing, unlike .values
         depth += 1
-    values = values.to_numpy(zero_copy_only=False).astype(info.dtype, copy=False)
+    if info.dtype == "string":  # a list of strings: text values, none of them null
+        if values.null_count:
+            raise ValueError(f"column {info.name!r} has {values.null_count} null strings inside its lists; clean the data")
+        values = np.asarray(values.cast(pa.string()).to_numpy(zero_copy_only=False), dtype=object)
+    else:
+        values = values.to_numpy(zero_copy_only=False).astype(info.dtype, copy=False)
     if values.size != len(array) * math.prod(info.shape):
         raise ValueError(f"column {info.name!r}: rows are not all of shape {list(info.shape)}")
     return values.reshape(len(array), *info.shape)
@@ -525,7 +567,7 @@ def _filler_rows(info: DatasetInfo, n: int, sample: tuple | None) -> tuple:
 
     if sample is not None and len(sample[-1]):
         return (*(np.repeat(column[:1], n, axis=0) for column in sample), np.zeros(n, np.float32))
-    zeros = [np.full((n,), b"", dtype=object) if c.tf_dtype == "string" else np.zeros((n, *c.shape), c.dtype)
+    zeros = [np.full((n, *c.shape), b"", dtype=object) if c.tf_dtype == "string" else np.zeros((n, *c.shape), c.dtype)
              for c in (*info.features, info.label)]
     return (*zeros, np.zeros(n, np.float32))
 

@@ -2,6 +2,11 @@
 from __future__ import annotations
 
 
+def clip(text: str, limit: int = 300) -> str:
+    """A value echoed in a message, cut to `limit` characters (a 1 KB file can hold a value of gigabytes)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
 class RaytfError(Exception):
     """Base class: a failure raytf can explain in one message. `traceback`: where there is one to show with
     -v and keep in result.json (the failed task's)."""
@@ -54,6 +59,20 @@ class TaskException(RaytfError):
 
     def __reduce__(self):  # raised in an actor, unpickled in the driver
         return type(self), (self.type_name, self.message, self.where, self.traceback)
+
+
+class NonFiniteLoss(RaytfError):
+    """The loss became NaN or infinite (a diverging learning rate, bad input values): the job stops rather than
+    go on and export a NaN model as a success (train.nonfinite_loss: continue goes on)."""
+
+    def __init__(self, loss: float, epoch: int, step: int, rank: int):
+        super().__init__(f"the loss is {loss} at epoch {epoch}, step {step} (rank {rank}): training diverged or the "
+                         f"data holds NaN/inf; lower optimizer.learning_rate, check the data (raytf data inspect), "
+                         f"or set train.nonfinite_loss: continue")
+        self.loss, self.epoch, self.step, self.rank = loss, epoch, step, rank
+
+    def __reduce__(self):  # raised in an actor, unpickled in the driver
+        return type(self), (self.loss, self.epoch, self.step, self.rank)
 
 
 class CheckpointMismatch(RaytfError):

@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import importlib
 import importlib.util
+import math
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping, Union
@@ -17,13 +18,14 @@ from typing import Annotated, Any, Literal, Mapping, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from raytf.errors import SpecError
+from raytf.errors import SpecError, clip
 
 FUNCTION_REF = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: `learning_rate: .inf` or a NaN timeout is refused, naming the key
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class DecodeSpec(_Strict):
@@ -202,6 +204,9 @@ class OptimizerSpec(_Strict):
     def _not_ours(cls, options: dict[str, Any]) -> dict[str, Any]:
         if "learning_rate" in options:
             raise ValueError("learning_rate belongs in optimizer.learning_rate (and a schedule in optimizer.schedule)")
+        bad = {k: v for k, v in options.items() if isinstance(v, float) and not math.isfinite(v)}
+        if bad:
+            raise ValueError(f"{bad} is not a finite number; give a finite value")
         if "gradient_accumulation_steps" in options:
             raise ValueError("gradient_accumulation_steps: use train.accumulation_steps; Keras's own counts "
                              "micro-batches as schedule steps and all-reduces every micro-batch")
@@ -225,6 +230,8 @@ class TrainSpec(_Strict):
     # model.fit works under MultiWorkerMirrored. None: Keras 3, and a train_fn that calls .fit() is refused
     # (Keras 3's fit fails under MultiWorkerMirrored on TF 2.21); keras3: Keras 3, unchecked.
     keras: Literal["keras3", "legacy"] | None = None
+    # A NaN or infinite epoch loss: stop the job (exit 1, nothing exported), or go on regardless.
+    nonfinite_loss: Literal["stop", "continue"] = "stop"
 
     @property
     def effective_batch_size(self) -> int:
@@ -535,11 +542,12 @@ def _describe_validation_error(exc: ValidationError, source: str) -> str:
             msg = err["msg"].removeprefix("Value error, ")
             lines.append(f"{where}: {msg}" if where and not msg.startswith(f"{where}.") else msg)  # no "data: data.x"
         elif err["type"] == "string_pattern_mismatch" and where in FUNCTION_KEYS:
-            lines.append(f"{where}: {err['input']!r} is not a module:function name; write e.g. digits:build_model")
+            lines.append(f"{where}: {clip(repr(err['input']))} is not a module:function name; write e.g. "
+                         f"digits:build_model")
         elif err["type"] == "literal_error":
-            lines.append(f"{where}: {err['input']!r} is not one of {err['ctx']['expected']}")
+            lines.append(f"{where}: {clip(repr(err['input']))} is not one of {err['ctx']['expected']}")
         else:
-            lines.append(f"{where}: {err['msg'].lower()} (got {err['input']!r})")
+            lines.append(f"{where}: {err['msg'].lower()} (got {clip(repr(err['input']))})")
     # Union members repeat the same complaint; keep the first of each.
     unique = list(dict.fromkeys(lines))
     return f"{source}: " + "; ".join(unique)
@@ -591,16 +599,9 @@ def parse_set_options(items: list[str]) -> dict[str, Any]:
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise SpecError(f"{path}: no such job file; pass the path of a job YAML, e.g. jobs/digits.yaml") from None
-    except OSError as exc:
-        raise SpecError(f"{path}: cannot read the job file ({exc.strerror})") from None
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise SpecError(f"{path}: not valid YAML: {str(exc).splitlines()[0]}") from None
+    from raytf import yaml_file
+
+    raw = yaml_file.read(path)
     if not isinstance(raw, dict):
         raise SpecError(f"{path}: expected a mapping of sections (name, model, data, ...)")
     return raw
@@ -651,6 +652,7 @@ def load(source: "str | Path | Mapping[str, Any] | JobSpec | Job",
                 job.datasets[split] = data.describe(job.data_path(path), spec.data.features, spec.data.label,
                                                     key=f"data.{split}", fill_nulls=spec.data.fill_nulls)
                 data.check_images(job.datasets[split], spec.data.decode, key=f"data.{split}")
+        check_labels(spec, job.datasets)
         undecoded = [c.name for c in job.datasets["train"].features
                      if c.dtype == "bytes" and c.name not in {d.column for d in spec.data.decode}]
         if undecoded and spec.data.preprocess is None:
@@ -701,6 +703,10 @@ def check_job_code(job: Job) -> None:
         if ref is not None:
             resolve_function(ref, job.job_dir, key)
     _check_keras_names(job.spec)
+    if job.spec.model is not None:
+        from raytf.model_check import check_model_builds
+
+        check_model_builds(job, resolve_function(job.spec.model, job.job_dir, "model"))
 
 
 LEGACY_INSTALL = "pip install 'raytf[legacy]'"  # tf-keras==2.21.*
@@ -720,6 +726,14 @@ def check_train_fn_keras(spec: JobSpec, job_dir: Path) -> None:
     module_name, _, func_name = spec.train_fn.partition(":")
     source = module_source(module_name, job_dir)
     lines = fit_calls(source, func_name) if source is not None else []
+    if lines and spec.strategy == "parameter_server":
+        # Keras 3's fit has no ClusterCoordinator path: TF runs its steps on the chief itself, none on a worker.
+        raise SpecError(f"train_fn {spec.train_fn} calls .fit() (line {lines[0]}): Keras 3's model.fit does not "
+                        f"drive ParameterServerStrategy's ClusterCoordinator (every step would run on the chief, "
+                        f"none on the workers); run it under "
+                        f"tf.keras with train.keras: legacy (tf-keras: {LEGACY_INSTALL}), write the loop with "
+                        f"ctx.coordinator.schedule, or use raytf's loop (model + data). If this .fit() is not a "
+                        f"Keras model's, set train.keras: keras3")
     if lines:
         raise SpecError(f"train_fn {spec.train_fn} calls .fit() (line {lines[0]}): Keras 3's model.fit fails under "
                         f"MultiWorkerMirroredStrategy on TensorFlow 2.21; run it under tf.keras with train.keras: "
@@ -875,3 +889,88 @@ def _check_keras_names(spec: JobSpec) -> None:
             keras.metrics.get(name)
         except ValueError:
             raise SpecError(f"metrics: unknown Keras metric {name!r}; e.g. accuracy, mae") from None
+
+
+# ---------------------------------------------------------------- labels against the loss (pure: no TensorFlow)
+
+SPARSE_LOSSES = {"sparse_categorical_crossentropy"}  # a class id per row (per position); output: + a classes axis
+ONE_HOT_LOSSES = {"categorical_crossentropy", "categorical_focal_crossentropy", "categorical_hinge"}
+# Keras losses whose label has the output's shape (per row; a scalar label matches an output of width 1)
+SAME_SHAPE_LOSSES = ONE_HOT_LOSSES | {
+    "mean_squared_error", "mse", "mean_absolute_error", "mae", "mean_absolute_percentage_error", "mape",
+    "mean_squared_logarithmic_error", "msle", "huber", "log_cosh", "logcosh", "binary_crossentropy",
+    "binary_focal_crossentropy", "kl_divergence", "kld", "kullback_leibler_divergence", "poisson", "hinge",
+    "squared_hinge", "cosine_similarity"}
+
+
+class LabelShapeError(SpecError):
+    """A label the loss (or the model's output) cannot take. Raised inside a traced step too, where AutoGraph
+    would rewrap it (as a StagingError, "in user code:" and a stack); `ag_pass_through` keeps the one line."""
+
+    ag_pass_through = True
+
+
+def loss_key(name: str) -> str:
+    """A Keras loss name as snake case: CategoricalCrossentropy and categorical_crossentropy are one loss."""
+    import re
+
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
+
+
+def describe_label(shape: tuple) -> str:
+    shape = tuple(shape)
+    if not shape:
+        return "one number per row"
+    if len(shape) == 1:
+        return f"a vector of {shape[0]} numbers per row"
+    return f"a tensor {list(shape)} per row"
+
+
+def check_label_shape(loss: str, label: str | None, label_shape: tuple, output_shape: tuple | None = None,
+                      values: str = "") -> None:
+    """A label's per-row shape against the loss (and, when known, the model's per-row output shape);
+    SpecError naming the label's shape and the loss that fits. `values`: "integer" | "float" | "" (unknown),
+    the kind of numbers stored: a vector of floats with the sparse loss is taken for one-hot without the model.
+    Unknown dimensions (None) are not checked."""
+    key, name = loss_key(loss), f"label {label!r}" if label else "the label"
+    label_shape = tuple(label_shape)
+    words = describe_label(label_shape)
+    if key in ONE_HOT_LOSSES and not label_shape:
+        raise LabelShapeError(f"loss: {loss} takes one-hot label vectors, but {name} is {words} (a class id?); "
+                              f"use loss: sparse_categorical_crossentropy, or write the label one-hot as a "
+                              f"fixed-size list (keras.utils.to_categorical)")
+    if output_shape is not None:
+        output_shape = tuple(output_shape)
+        if None in label_shape or None in output_shape:
+            return
+        if key in SAME_SHAPE_LOSSES and label_shape == output_shape[:-1] and output_shape[-1:] == (1,):
+            label_shape = output_shape  # (batch,) against (batch, 1): raytf gives the label the output's rank
+    if key in SPARSE_LOSSES and label_shape and (
+            (output_shape == label_shape and label_shape[-1] != 1)
+            or (output_shape is None and len(label_shape) == 1 and values == "float")):
+        raise LabelShapeError(f"loss: {loss} takes one class id per row, but {name} is {words} (one-hot?); use "
+                              f"loss: categorical_crossentropy (or write the class id, the vector's argmax)")
+    if output_shape is None:
+        return
+    if key in SPARSE_LOSSES and label_shape not in (output_shape[:-1], output_shape[:-1] + (1,)):
+        raise LabelShapeError(f"loss: {loss} needs the model's output to be the label's shape plus a last axis of "
+                              f"classes, but {name} is {words} and the model outputs {describe_label(output_shape)}")
+    if key in SAME_SHAPE_LOSSES and label_shape != output_shape:
+        wide = f"; make the model's last layer {label_shape[0]} wide" if len(label_shape) == 1 else ""
+        raise LabelShapeError(f"loss: {loss} needs a label of the model's output shape, but {name} is {words} and "
+                              f"the model outputs {describe_label(output_shape)}{wide} (or fix the label)")
+
+
+def check_labels(spec: JobSpec, datasets: Mapping[str, Any], output_shape: tuple | None = None) -> None:
+    """At load, from the Parquet metadata: the label's shape against the loss (raytf's loop; a preprocess
+    may reshape the label, then the check waits for the first step), and validation's label like train's.
+    `output_shape`: the model's per-row output shape (model.output_shape[1:]), when the driver built it."""
+    train, validation = datasets.get("train"), datasets.get("validation")
+    if train is None or spec.train_fn is not None:
+        return
+    label = train.label
+    if validation is not None and validation.label.shape != label.shape:
+        raise SpecError(f"data.validation: label {label.name!r} is {describe_label(validation.label.shape)}, but "
+                        f"{describe_label(label.shape)} in data.train; write both with one shape")
+    if spec.data.preprocess is None and spec.data.preprocess_validation is None:
+        check_label_shape(spec.loss.name, label.name, label.shape, output_shape, values=label.values)

@@ -70,6 +70,7 @@ class Submission:
     runtime_env: dict[str, Any]
     metadata: dict[str, str]
     job_dir: Path
+    left_out: str | None = None  # raytf's line naming the credential files the package leaves out
 
 
 # ---------------------------------------------------------------- preparing
@@ -88,7 +89,7 @@ def prepare(job_file: str | Path, settings: Sequence[str] = (), verbose: bool = 
     except ValueError:
         raise SpecError(f"{job_file}: raytf submit uploads base_dir {job.job_dir} as the job's working directory, "
                         f"and the job file is outside it; move the job file into that folder") from None
-    packaging.check_job_folder(job)
+    left_out = packaging.check_job_folder(job)
     argv = ["raytf", "run", entry_file, *(["--verbose"] if verbose else [])]
     for item in settings:
         argv += ["--set", item]
@@ -97,7 +98,8 @@ def prepare(job_file: str | Path, settings: Sequence[str] = (), verbose: bool = 
     runtime_env["env_vars"]["PYTHONUNBUFFERED"] = "1"
     return Submission(name=spec.name, submission_id=f"raytf-{spec.name}-{uuid.uuid4().hex[:8]}",
                       entrypoint=shlex.join(argv), runtime_env=runtime_env,
-                      metadata={"raytf_job": spec.name, "job_file": entry_file}, job_dir=job.job_dir)
+                      metadata={"raytf_job": spec.name, "job_file": entry_file}, job_dir=job.job_dir,
+                      left_out=left_out)
 
 
 def resolve_address(address: str | None) -> str:
@@ -132,10 +134,17 @@ class _Client(JobSubmissionClient):
 class Jobs:
     """One Jobs API endpoint. Every call either answers or raises a RaytfError with a one-line cause."""
 
-    def __init__(self, address: str | None = None, read_timeout_s: float = READ_TIMEOUT_S):
+    def __init__(self, address: str | None = None, read_timeout_s: float = READ_TIMEOUT_S,
+                 allow_http_token: bool = False):
         self.address = resolve_address(address)
-        self.read_timeout_s = read_timeout_s
-        if session.auth_mode_for(self.address) == "token":  # a user with a token means to send it
+        self.read_timeout_s, self.allow_http_token = read_timeout_s, allow_http_token
+        # The token goes only where it cannot be read on the way (session.token_may_travel); elsewhere Ray's
+        # client is told not to send it, and a cluster that asks for it is answered with why (_call).
+        self.token_withheld = (session.token_available()
+                               and not session.token_may_travel(self.address, allow_http_token))
+        if self.token_withheld:
+            session.set_auth_mode("disabled")
+        elif session.auth_mode_for(self.address) == "token":  # a user with a token means to send it
             session.set_auth_mode("token")
         # Ray's client lets RAY_ADDRESS / RAY_API_SERVER_ADDRESS override the address it is given;
         # an explicit --address must win, so they are hidden while it is built.
@@ -191,7 +200,7 @@ class Jobs:
             else:
                 queue.put_nowait(None)  # the server closes the stream once the job has ended
 
-        poller = Jobs(self.address, POLL_READ_TIMEOUT_S)  # same endpoint, a short deadline for the polls
+        poller = Jobs(self.address, POLL_READ_TIMEOUT_S, self.allow_http_token)  # same endpoint, a short deadline for the polls
         last_answer = time.monotonic()
         ended_at: float | None = None
         streaming = True
@@ -249,6 +258,13 @@ class Jobs:
                     f"the Ray cluster at {self.address} refused raytf's token while {what}: use the cluster's "
                     f"token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token; the one mounted by "
                     f"`ray up cluster.yaml`)") from None
+            if self.token_withheld:
+                raise ClusterUnreachable(
+                    f"the Ray cluster at {self.address} requires token authentication, and raytf does not send "
+                    f"your token over plain http to an address other than this machine (anyone on the way could "
+                    f"read it and run code on the cluster): use https, or the SSH port-forward of `ray dashboard "
+                    f"cluster.yaml` (http://127.0.0.1:8265), or, on a network you trust, pass --allow-http-token "
+                    f"(or set {session.ALLOW_HTTP_TOKEN}=1)") from None
             fix = ("unset RAY_AUTH_MODE (it is 'disabled') or export RAY_AUTH_MODE=token, and "
                    if os.environ.get(session.AUTH_MODE, "").lower() == "disabled" else "")
             raise ClusterUnreachable(

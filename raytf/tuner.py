@@ -223,9 +223,10 @@ def run(plan: Plan, display: ProgressDisplay | None = None, resume: bool = False
     display.message(f"raytf: sweep {plan.base.spec.name}: {len(plan.points)} trials, up to {limit} at once"
                     + (f" ({len(plan.rejected)} random draws rejected)" if plan.rejected else "")
                     + f"; output {out}")
+    packaging.mark_output(out)  # a later job in the same job folder leaves the sweep's outputs out
     sweep_report.write_json(out / POINTS_FILE, _points_state(plan))
 
-    code_env = packaging.upload_code(packaging.runtime_env(plan.base), verbose=verbose)
+    code_env = packaging.upload_code(packaging.runtime_env(plan.base), verbose=verbose, note=display.message)
     _unpack_everywhere(code_env, display)
     factories = {pid: tune.PlacementGroupFactory([{"CPU": 0}, *trial_bundles(job.spec)],
                                                  strategy=job.spec.cluster.effective_placement.upper())

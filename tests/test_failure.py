@@ -80,7 +80,7 @@ def test_an_elastic_restart_raises_accumulation_before_it_grows_the_per_replica_
 
 
 def test_error_summaries_keep_the_line_that_names_the_cause():
-    from raytf.driver.ray_group import summary
+    from raytf.actor.raised import summary
 
     assert summary("FileNotFoundError: no such file\n\t [[{{node IteratorGetNext}}]]") == \
         "FileNotFoundError: no such file"

@@ -1,4 +1,7 @@
-"""The shortage message says what was asked, what the cluster has, and what to change."""
+"""The shortage message says what was asked, what the cluster has, and what to change; whether a cluster that
+cannot grow (an embedded local Ray) can ever hold a request."""
+import pytest
+
 from raytf.driver.placement import shortage_message, worker_bundles
 from raytf.spec import ClusterSpec
 
@@ -50,3 +53,30 @@ def test_a_parameter_server_job_has_a_chief_ps_and_worker_bundles_in_that_order(
     msg = shortage_message(job_bundles(spec), "PACK", 5, {"CPU": 4}, {"CPU": 4}, [{"CPU": 4}])
     assert "asked for 6 bundles (1 x {CPU: 0.5}, 2 x {CPU: 2}, 3 x {CPU: 1, GPU: 1}; total {CPU: 7.5, GPU: 3}" in msg
     assert "It lacks CPU, GPU" in msg
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("bundles,strategy,nodes,fits", [
+    ([{"CPU": 64}] * 2, "PACK", [{"CPU": 2}], False),  # a bundle bigger than the node
+    ([{"CPU": 1.5}] * 2, "PACK", [{"CPU": 2}], False),  # each bundle fits, the two together do not
+    ([{"CPU": 0.5}] * 2, "PACK", [{"CPU": 2, "memory": 1e9, "node:10.0.0.1": 1}], True),
+    ([{"CPU": 0.5}] * 2, "STRICT_SPREAD", [{"CPU": 2}], False),  # a node per bundle
+    ([{"CPU": 0.5}] * 2, "STRICT_SPREAD", [{"CPU": 1}, {"CPU": 1}], True),
+    ([{"CPU": 1}] * 2, "STRICT_PACK", [{"CPU": 1}, {"CPU": 1}], False),  # all on one node
+    ([{"CPU": 1}] * 2, "SPREAD", [{"CPU": 1}, {"CPU": 1}], True),
+    ([{"CPU": 0.5, "GPU": 1}], "PACK", [{"CPU": 2}], False),  # no GPU at all
+])
+def test_whether_a_cluster_that_cannot_grow_can_ever_hold_the_bundles(bundles, strategy, nodes, fits):
+    from raytf.driver.placement import can_ever_hold
+
+    assert can_ever_hold(nodes, bundles, strategy) is fits
+    assert nodes[0].get("CPU") in (1, 2)  # the nodes given are not used up
+
+
+@pytest.mark.timeout(10)
+def test_an_embedded_ray_says_at_once_what_was_asked_what_it_has_and_the_fix():
+    msg = shortage_message([{"CPU": 64}] * 2, "PACK", 120, {"CPU": 2}, {"CPU": 2}, [{"CPU": 2}], embedded=True)
+    assert msg.startswith("the embedded local Ray (this machine only; it cannot grow) can never hold")
+    assert "after 120s" not in msg  # it did not wait
+    assert "asked for 2 bundles of {CPU: 64} (total {CPU: 128}" in msg and "the cluster has {CPU: 2} in 1 node(s)" in msg
+    assert "lower cluster.workers or the per-worker resources, or run on a Ray cluster that has them (--address)" in msg

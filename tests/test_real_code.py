@@ -8,16 +8,21 @@ folder of its own, one working directory).
   it fails on a Keras 2 name, and the one error line names the file and line.
 - A tf.keras `fit` whose epochs each outlast failure.hang_timeout_s three times, then a wait that never ends:
   the fit is not declared hung, the wait is, and the failed result.json keeps the fit's epochs.
+- SIGTERM (`ray job stop`, `kill`) and SIGINT (Ctrl-C) sent to the console script mid-training: one path,
+  exit 143 or 130, the "interrupted" line, result.json `interrupted` with the epochs done.
 """
 import json
 import os
 import shutil
+import signal
+import subprocess
 import time
 
 import pytest
+import yaml
 
-from tests.conftest import DIGITS
-from tests.test_user_paths import run_cli
+from tests.conftest import DIGITS, MODEL_MODULE, base_spec
+from tests.test_user_paths import RAYTF, run_cli
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
@@ -227,3 +232,31 @@ def test_a_fit_longer_than_the_hang_timeout_lives_and_a_stuck_train_fn_is_caught
     assert all(e["seconds"] >= 3 * 4 for e in epochs), f"each epoch must outlast the hang timeout 3x: {epochs}"
     assert result["restarts"] == [] and [t["rank"] for t in result["tasks"]] == [0, 1]
     assert time.monotonic() - started < 200
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_takes_the_ctrl_c_path_and_result_json_keeps_the_epochs(root, sig, code):
+    folder = job_folder(root, f"signalled_{code}", "", [])
+    (folder / "job.yaml").write_text(yaml.safe_dump(base_spec(
+        name=f"signalled-{code}", model="tmodel:build_model", output={"dir": "../runs"},
+        data={"train": "data/train.parquet", "validation": "data/test.parquet", "features": ["pixels"],
+              "label": "label"}, train={"epochs": 200, "global_batch_size": 64})))
+    (folder / "tmodel.py").write_text(MODEL_MODULE)
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "TF_CPP_MIN_LOG_LEVEL")}
+    proc = subprocess.Popen([RAYTF, "run", "job.yaml"], cwd=folder, env=env, stderr=subprocess.PIPE, text=True)
+    seen = []
+    try:
+        for line in proc.stderr:
+            seen.append(line)
+            if line.startswith("epoch 2 done"):
+                proc.send_signal(sig)
+                break
+        rest = proc.communicate(timeout=60)[1]
+    finally:
+        proc.kill()
+    said = "".join(seen) + rest
+    assert proc.returncode == code, said[-3000:]
+    assert "raytf: interrupted; actors and placement group released" in said
+    assert "*** SIGTERM received" not in said and "Fatal Python error" not in said, said[-3000:]  # no C++ dump
+    result = json.loads((root / "runs" / "result.json").read_text())
+    assert result["status"] == "interrupted" and len(result["history"]) >= 2, result

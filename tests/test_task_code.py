@@ -10,7 +10,8 @@ import pytest
 
 from raytf.actor import raised
 from raytf.driver.ray_group import describe, task_error
-from raytf.errors import CheckpointCorrupt, TaskException
+from raytf.errors import CheckpointCorrupt, SpecError, TaskException
+from tests.conftest import base_spec
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -84,3 +85,52 @@ def test_two_tasks_writing_the_same_relative_path_each_get_their_own(tmp_path):
     assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
     assert [out.strip() for out, _ in outs] == ["['rank-0.txt'] ['0']", "['rank-1.txt'] ['1']"]
     assert sorted(os.listdir(job)) == ["data", "helper.py"], "nothing written into the shared job folder"
+
+
+def test_a_keras_layer_error_keeps_the_sentence_that_says_what_is_wrong():
+    from raytf.actor.raised import summary
+
+    keras_error = ("Exception encountered when calling Dense.call().\n\n\x1b[1mInput 0 of layer \"dense\" is "
+                   "incompatible with the layer: expected axis -1 of input shape to have value 64, but received "
+                   "input with shape (None, 32)\x1b[0m\n\nArguments received by Dense.call():\n  • inputs=tf.Tensor("
+                   "shape=(None, 32), dtype=float32)\n  • kwargs=<class 'inspect._empty'>")
+    for message in (keras_error, "Graph execution error:\n\nDetected at node x\n" + keras_error):
+        line = summary(message)
+        assert "is incompatible with the layer" in line and "kwargs" not in line and "\x1b" not in line, line
+
+
+@pytest.mark.timeout(120)
+def test_a_model_that_cannot_be_built_is_found_before_anything_starts_naming_its_line(tmp_path):
+    import shutil
+
+    import yaml
+
+    from tests.conftest import DIGITS, base_spec
+    from tests.test_user_paths import run_cli
+
+    (tmp_path / "bad_model.py").write_text(textwrap.dedent("""
+        import keras
+
+        def build():
+            return keras.Sequential([keras.Input(shape=(64,)), keras.layers.Dense(10), keras.layers.Reshape((3, 3))])
+    """))
+    shutil.copytree(DIGITS, tmp_path / "data", ignore=shutil.ignore_patterns("*.py", "criteo*", "shapes*"))
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(base_spec(model="bad_model:build")))
+    proc = run_cli(["run", "job.yaml"], cwd=tmp_path, timeout=100)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "raytf: error: model: bad_model:build cannot be built: bad_model.py:5: ValueError: Exception encountered when "
+        "calling Reshape.call(). The total size of the tensor must be unchanged. Received: input_shape=(10,), "
+        "target_shape=(3, 3)"], proc.stderr  # before Ray, reservation or any worker
+    assert sorted(os.listdir(tmp_path)) == ["bad_model.py", "data", "job.yaml"]
+
+
+@pytest.mark.timeout(120)
+def test_a_label_the_models_output_cannot_take_is_a_spec_error_from_the_model_built_in_the_driver(job_dir):
+    from raytf.spec import load
+    from tests.conftest import write_job
+
+    path = write_job(job_dir, base_spec(loss={"name": "mse"}, metrics=["mae"]))  # tmodel outputs 10 numbers
+    with pytest.raises(SpecError, match=r"loss: mse needs a label of the model's output shape, but label 'label' "
+                                        r"is one number per row and the model outputs a vector of 10 numbers"):
+        load(path)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import DIGITS, REPO, base_spec
+from tests.conftest import DIGITS, REPO, base_spec, write_job
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -164,6 +164,51 @@ def test_only_noise_is_filtered_from_stderr():
     assert without_noise(text) == "UserWarning: the user's own warning\nI0000 is not a log line\n"
 
 
+@pytest.mark.timeout(60)
+def test_the_console_scripts_filter_covers_its_whole_life_and_keeps_the_terminal():
+    """Native lines printed at any time (as when TensorFlow is first imported late, unpickling something of
+    TensorFlow's a worker sent) are filtered; Python's lines and partial lines pass in order; sys.stderr still
+    says it is a terminal (the live progress line). A TF_CPP_MIN_LOG_LEVEL of the user's own: no filter."""
+    import pty
+
+    code = textwrap.dedent("""
+        import os, sys, time
+        from raytf.driver import quiet
+        on = quiet.filter_stderr(verbose=False)
+        print("filter", on, "tty", sys.stderr.isatty(), flush=True)
+        print("raytf: before", file=sys.stderr)
+        time.sleep(0.2)
+        os.write(2, b"I0000 00:00:1796282571.561262    4290 port.cc:153] oneDNN custom operations are on.\\n")
+        print("\\rstep 1/9", end="", file=sys.stderr, flush=True)
+        time.sleep(0.3)
+        print("\\rstep 2/9", file=sys.stderr)
+        os.write(2, b"E0000 00:00:1796282577.740544    4335 cuda_platform.cc:52] failed call to cuInit\\n")
+        raise SystemExit("raytf: error: the end")
+    """)
+    for extra, filtered in (({}, True), ({"TF_CPP_MIN_LOG_LEVEL": "0"}, False)):
+        env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+        primary, secondary = pty.openpty()  # stderr is a terminal
+        proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=secondary,
+                              text=True, timeout=30, env={**env, **extra})
+        os.close(secondary)
+        seen = b""
+        while True:
+            try:
+                chunk = os.read(primary, 65536)
+            except OSError:  # the terminal's other end is closed: all read
+                break
+            if not chunk:
+                break
+            seen += chunk
+        os.close(primary)
+        stderr = seen.decode().replace("\r\n", "\n")
+        assert proc.returncode == 1 and proc.stdout == f"filter {filtered} tty True\n"
+        if filtered:
+            assert stderr == "raytf: before\n\rstep 1/9\rstep 2/9\nraytf: error: the end\n", repr(stderr)
+        else:
+            assert "oneDNN" in stderr and "cuInit" in stderr
+
+
 def test_a_job_folder_over_the_limit_names_its_largest_files_and_the_fix(tmp_path):
     from raytf.driver.packaging import check_size
     from raytf.errors import SpecError
@@ -305,3 +350,61 @@ def test_two_jobs_in_one_process_each_get_their_own_module_of_the_same_name(tmp_
     first = load(tmp_path / "a" / "job.yaml")
     second = load(tmp_path / "b" / "job.yaml")  # before the fix: "'model' has no function 'build_b'"
     assert first.job_dir.name == "a" and second.job_dir.name == "b"
+
+
+# ---------------------------------------------------------------- failing jobs through the console script
+
+FAILING_TRAIN_FN = textwrap.dedent('''
+    def train(ctx):
+        import tensorflow as tf  # not at the top: the driver never imports TensorFlow for this job itself
+
+        raise tf.errors.InvalidArgumentError(None, None, "boom from the worker")
+''')
+
+
+@pytest.mark.timeout(180)
+def test_a_failing_job_shows_only_raytfs_lines_and_leaves_earlier_runs_behind(job_dir):
+    """A second job in a folder: the first run's outputs (runs/, and an output.dir of another name that holds
+    a large file) stay behind; a large data file travels, said in raytf's words, not in Ray's. The worker
+    fails with a TensorFlow error: no TensorFlow start-up line on the terminal, only raytf's."""
+    (job_dir / "boom.py").write_text(FAILING_TRAIN_FN)
+    spec = base_spec(model=None, train_fn="boom:train", train={"epochs": 1, "global_batch_size": 64},
+                     cluster={"workers": 1})
+    for key in ("loss", "optimizer", "metrics"):  # a train_fn job: no Keras name for the driver to check
+        spec.pop(key)
+    write_job(job_dir, spec)
+    earlier = job_dir / "results" / "first"
+    earlier.mkdir(parents=True)
+    (earlier / "result.json").write_text(json.dumps({"name": "first", "strategy": "mirrored", "status": "succeeded",
+                                                     "output_dir": str(earlier), "tasks": [], "history": []}))
+    (earlier / "weights.bin").write_bytes(b"w" * 11 * 1024 ** 2)  # Ray would warn "File ... is very large"
+    (job_dir / "data" / "big.bin").write_bytes(b"d" * 11 * 1024 ** 2)
+
+    proc = run_cli(["run", "job.yaml"], cwd=job_dir, timeout=150)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "boom.py:5: InvalidArgumentError: boom from the worker" in proc.stderr.splitlines()[-1], proc.stderr
+    assert_quiet(proc)
+    for ray_words in ("is very large", "ray.init(", "Ignoring upload", "weights.bin"):
+        assert ray_words not in proc.stderr, proc.stderr
+    assert f"raytf: uploading large files to every node: {job_dir / 'data' / 'big.bin'} (11.00MiB)" in proc.stderr
+    assert all(line.startswith("raytf: ") for line in proc.stderr.splitlines()), proc.stderr
+    assert (job_dir / "runs" / "t" / ".raytf-output").is_file()  # this run's output.dir, for the next job
+
+
+@pytest.mark.timeout(120)
+def test_an_impossible_request_on_the_embedded_ray_is_exit_3_at_once(job_dir):
+    """An embedded local Ray cannot grow: a bundle it can never hold is exit 3 at once, not after
+    cluster.reserve_timeout_s, with what was asked, what the machine has, and the fix."""
+    import time
+
+    write_job(job_dir, base_spec(cluster={"workers": 2, "cpus_per_worker": 64, "reserve_timeout_s": 120}))
+    started = time.monotonic()
+    proc = run_cli(["run", "job.yaml"], cwd=job_dir, timeout=110)
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    error = proc.stderr.splitlines()[-1]
+    assert error.startswith("raytf: error: the embedded local Ray (this machine only; it cannot grow) can never hold")
+    assert "asked for 2 bundles of {CPU: 64} (total {CPU: 128}" in error and "the cluster has {CPU: " in error
+    assert "lower cluster.workers or the per-worker resources" in error and "--address" in error
+    assert "Traceback" not in proc.stderr
+    assert elapsed < 60, elapsed  # Ray's start and stop only

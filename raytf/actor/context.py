@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 import os
 import threading
 import time
@@ -13,6 +14,7 @@ from typing import Any, Callable
 
 from raytf.checkpoint import CheckpointInfo
 from raytf.data import DatasetInfo
+from raytf.errors import NonFiniteLoss
 from raytf.spec import JobSpec
 
 
@@ -36,6 +38,13 @@ class WorkerPayload:
 
         module_name, _, func_name = function_ref(self.spec, key).partition(":")
         return getattr(importlib.import_module(module_name), func_name)
+
+
+def check_loss(spec: JobSpec, loss: Any, epoch: int, step: int, rank: int) -> None:
+    """An epoch's loss that is NaN or infinite stops the job (train.nonfinite_loss: stop), before it is
+    checkpointed or exported. Every rank sees the same all-reduced loss, so every rank stops together."""
+    if spec.train.nonfinite_loss == "stop" and isinstance(loss, (int, float)) and not math.isfinite(loss):
+        raise NonFiniteLoss(float(loss), epoch, step, rank)
 
 
 class StopTraining(BaseException):
@@ -203,6 +212,7 @@ class TaskContext:
         now = time.time()
         entry = {"epoch": len(self.history) + 1, **{k: (float(v) if not isinstance(v, (int, str)) else v)
                                                      for k, v in metrics.items()}}
+        check_loss(self.spec, entry.get("loss"), entry["epoch"], int(entry.get("step", self.global_step)), self.rank)
         entry.setdefault("seconds", round(now - self._epoch_started, 3))
         self._epoch_started = now
         self.history.append(entry)

@@ -140,7 +140,8 @@ class Examples:
         label_dtype = tf.as_dtype(self.info.label.tf_dtype)
 
         def one(row: dict[str, tf.Tensor]):
-            columns = tuple(row[name] if name != self.label else tf.zeros([], label_dtype) for name in self.names)
+            columns = tuple(row[name] if name != self.label else tf.zeros(self.info.label.shape, label_dtype)
+                            for name in self.names)
             return prepare(tf.constant(0, tf.int64), columns)[0]
 
         signature = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype), example_input)

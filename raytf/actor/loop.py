@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from raytf.actor import schedules
 from raytf.actor import steps as steps_lib
-from raytf.actor.context import TaskContext, WorkerPayload
+from raytf.actor.context import TaskContext, WorkerPayload, check_loss
 from raytf.checkpoint import META, CheckpointInfo, Storage
 from raytf.errors import CheckpointCorrupt, CheckpointMismatch
 
@@ -97,6 +97,7 @@ def run(runner: Runner, payload: WorkerPayload, ctx: TaskContext) -> dict[str, A
                 checkpoints.save(global_step, epoch, step, history, runner.epoch_totals())
         runner.sync_state()  # before validation: every worker evaluates, and ends with, the same model
         metrics = runner.train_acc.results(runner.epoch_totals())
+        check_loss(spec, metrics.get("loss"), epoch, global_step, ctx.rank)  # before it is validated or saved
         metrics.update(runner.epoch_notes())
         metrics["learning_rate"] = schedules.learning_rate_at(runner.optimizer, max(global_step - 1, 0))  # its last step's
         val = None

@@ -52,3 +52,27 @@ def capture(exc: BaseException, job_roots: list[str]) -> BaseException:
     message = str(exc)
     return TaskException(type(exc).__name__, message, user_line(frames, message, job_roots),
                          "".join(traceback.format_exception(exc)))
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Keras 3 sets the key sentence of its errors in bold
+_TF_PREAMBLE = ("Graph execution error", "in user code:", "Detected at node", "File ", "[[", "(most recent call last)")
+
+
+def summary(message: str, limit: int = 300) -> str:
+    """One line of an error message that names the cause: the first line, except where TensorFlow
+    opens with "Graph execution error:" and a traceback, whose cause is the last plain line (before
+    op lines such as `[[IteratorGetNext]]`)."""
+    # A remote TF error carries the gRPC details after the cause; they are not it.
+    message = _ANSI.sub("", message.split("\nAdditional GRPC error information")[0])
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    # Keras 3 layer errors: "Exception encountered when calling Dense.call().", then the sentence that says
+    # what is wrong ("Input 0 of layer ... is incompatible ..."), then "Arguments received" and bullets.
+    for i, line in enumerate(lines[:-1]):
+        if line.startswith("Exception encountered when calling"):
+            return f"{line} {lines[i + 1]}"[:limit]
+    if lines[0].startswith(_TF_PREAMBLE):
+        plain = [line for line in lines if not line.startswith(_TF_PREAMBLE) and not line.endswith(":")]
+        return (plain[-1] if plain else lines[-1])[:limit]
+    return lines[0][:limit]

@@ -23,27 +23,40 @@ import tensorflow as tf
 
 from raytf import learning_rate
 from raytf.actor import schedules
-from raytf.spec import JobSpec
+from raytf.spec import JobSpec, check_label_shape, loss_key
 
+# 'accuracy' in metrics, by the loss (its snake-case name): the accuracy that reads the labels that loss takes
 _ACCURACY_BY_LOSS = {
     "sparse_categorical_crossentropy": "sparse_categorical_accuracy",
     "categorical_crossentropy": "categorical_accuracy",
+    "categorical_focal_crossentropy": "categorical_accuracy",
     "binary_crossentropy": "binary_accuracy",
+    "binary_focal_crossentropy": "binary_accuracy",
 }
 
 
 def build_loss(spec: JobSpec) -> Callable:
-    """Per-example loss function (no reduction: the loop scales by the global batch)."""
+    """Per-example loss function (no reduction: the loop scales by the global batch). When traced, it checks
+    the label's shape against the model's output (raytf.spec.check_label_shape: a SpecError naming both and
+    the loss that fits, instead of a shape error from inside Keras); a label of shape (batch,) against an
+    output (batch, 1) is aligned before (align_labels)."""
     fn = keras.losses.get(spec.loss.name)
     if isinstance(fn, keras.losses.Loss):
         config = fn.get_config()
         config.update(reduction=None)
         if "from_logits" in config:
             config["from_logits"] = spec.loss.from_logits
-        return type(fn).from_config(config)
-    if "from_logits" in inspect.signature(fn).parameters:
-        return functools.partial(fn, from_logits=spec.loss.from_logits)
-    return fn
+        fn = type(fn).from_config(config)
+    elif "from_logits" in inspect.signature(fn).parameters:
+        fn = functools.partial(fn, from_logits=spec.loss.from_logits)
+    label = spec.data.label if spec.data is not None else None
+
+    def loss(y, pred):
+        if isinstance(y, tf.Tensor) and isinstance(pred, tf.Tensor) and y.shape.rank and pred.shape.rank:
+            check_label_shape(spec.loss.name, label, tuple(y.shape[1:]), tuple(pred.shape[1:]))
+        return fn(y, pred)
+
+    return loss
 
 
 def build_model(payload, strategy: tf.distribute.Strategy, steps_per_epoch: int,
@@ -91,7 +104,7 @@ def build_metrics(spec: JobSpec) -> dict[str, keras.metrics.Metric]:
     """name in the spec -> a Keras metric object (used statelessly); 'accuracy' follows the loss."""
     out = {}
     for name in spec.metrics:
-        resolved = _ACCURACY_BY_LOSS.get(spec.loss.name, name) if name in ("accuracy", "acc") else name
+        resolved = _ACCURACY_BY_LOSS.get(loss_key(spec.loss.name), name) if name in ("accuracy", "acc") else name
         metric = keras.metrics.get(resolved)
         if inspect.isclass(metric):
             metric = metric(**_logit_options(metric, spec))
@@ -133,12 +146,17 @@ class Accumulator:
     def zero_deltas(self) -> list[list[tf.Tensor]]:
         return [[tf.zeros(v.shape, v.dtype) for v in m.variables] for m in self.metrics.values()]
 
-    def delta(self, y, pred, per_example_loss, weight=None) -> tf.Tensor:
-        """One replica's contribution as a flat float64 vector (replica context)."""
+    def delta(self, y, pred, per_example_loss, weight=None, regularization=None) -> tf.Tensor:
+        """One replica's contribution as a flat float64 vector (replica context). `regularization`: the
+        model's own losses for this batch (regularization_loss), counted per example, so that the reported
+        loss is Keras's: the data loss's mean plus the model's losses."""
         if weight is None:
             weight = tf.ones_like(per_example_loss)
         weight = tf.cast(weight, per_example_loss.dtype)
-        parts = [tf.reduce_sum(per_example_loss * weight), tf.reduce_sum(weight)]
+        loss_sum = tf.reduce_sum(per_example_loss * weight)
+        if regularization is not None:
+            loss_sum += tf.cast(regularization, loss_sum.dtype) * tf.reduce_sum(weight)
+        parts = [loss_sum, tf.reduce_sum(weight)]
         for metric, zeros in zip(self.metrics.values(), self.zero_deltas()):
             parts += metric.stateless_update_state(zeros, y, pred, sample_weight=weight)
         return tf.concat([tf.reshape(tf.cast(p, tf.float64), [-1]) for p in parts], axis=0)
@@ -238,6 +256,14 @@ def make_state_sync(strategy: tf.distribute.Strategy, model: keras.Model) -> Cal
     return sync
 
 
+def regularization_loss(model: keras.Model):
+    """The sum of the model's own losses (weight regularizers, add_loss) after its last call, in float32;
+    None when it has none. Read inside the step that called the model."""
+    if not model.losses:
+        return None
+    return tf.add_n([tf.cast(tf.reduce_sum(v), tf.float32) for v in model.losses])
+
+
 def align_labels(y, pred):
     """A label column of shape (batch,) against a model output of shape (batch, 1), the usual binary
     classifier: give the labels the output's rank, as Keras's losses need."""
@@ -321,10 +347,14 @@ def _scaled(g, factor):
 
 
 def make_gradients(model: keras.Model, optimizer, loss_fn, acc: Accumulator, global_batch_size: int,
-                   sources: list) -> Callable:
+                   sources: list, micro_batches: int = 1) -> Callable:
     """One replica's forward and backward pass, (x, y, weight=None) -> (gradients of `sources`, the
     step's metric delta): the per-example loss scaled by the global batch (and by the loss scale under
-    mixed_float16), padding rows (weight 0) adding nothing, the model's own losses included."""
+    mixed_float16), padding rows (weight 0) adding nothing, the model's own losses included as Keras's
+    fit includes them: divided by the replicas in sync (tf.nn.scale_regularization_loss), so the gradient
+    all-reduce (a sum) counts them once, and by `micro_batches` (train.accumulation_steps), whose
+    gradients are summed, so once per optimizer step. The metric delta's loss is Keras's reported loss:
+    the data loss plus the model's losses, unscaled."""
 
     def gradients(x, y, weight=None):
         with tf.GradientTape() as tape:
@@ -334,10 +364,11 @@ def make_gradients(model: keras.Model, optimizer, loss_fn, acc: Accumulator, glo
             if weight is not None:  # padding rows (data.remainder: pad) weigh 0
                 per_example = per_example * tf.cast(weight, per_example.dtype)
             loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch_size)
-            if model.losses:
-                loss += tf.nn.scale_regularization_loss(tf.add_n([tf.cast(v, tf.float32) for v in model.losses]))
+            regularization = regularization_loss(model)
+            if regularization is not None:
+                loss += tf.nn.scale_regularization_loss(regularization) / micro_batches
             scaled = optimizer.scale_loss(loss)  # mixed_float16: loss scaling; otherwise the loss itself
-        return tape.gradient(scaled, sources), acc.delta(y, pred, per_example, weight)
+        return tape.gradient(scaled, sources), acc.delta(y, pred, per_example, weight, regularization)
 
     return gradients
 
@@ -348,7 +379,8 @@ def make_step_functions(strategy: tf.distribute.Strategy, model: keras.Model, op
     micro-batches per replica (the iterator's elements hold them stacked on axis 0), then one all-reduce."""
     local_replicas = len(strategy.extended.worker_devices)
     variables = model.trainable_variables
-    gradients = make_gradients(model, optimizer, loss_fn, train_acc, spec.train.effective_batch_size, variables)
+    gradients = make_gradients(model, optimizer, loss_fn, train_acc, spec.train.effective_batch_size, variables,
+                               micro_batches=spec.train.accumulation_steps)
     # XLA compiles the forward and backward pass; the gradient all-reduce in apply_gradients stays outside.
     compiled = tf.function(gradients, jit_compile=True) if spec.train.jit_compile else gradients
     compiled = accumulate(compiled, variables, sum(train_acc.sizes), spec.train.accumulation_steps,
@@ -380,7 +412,7 @@ def make_step_functions(strategy: tf.distribute.Strategy, model: keras.Model, op
     def eval_replica(x, y, w):
         pred = float32(model(x, training=False))
         y = align_labels(y, pred)
-        return eval_acc.delta(y, pred, loss_fn(y, pred), weight=w)
+        return eval_acc.delta(y, pred, loss_fn(y, pred), weight=w, regularization=regularization_loss(model))
 
     @tf.function
     def evaluate(iterator):

@@ -632,7 +632,11 @@ class Controller:
         """A job that ends without success keeps what it did: the epochs it finished (across restarts),
         the tasks of its last attempt, the error and, where a task raised it, its traceback."""
         result = self.result
-        result.error = str(exc)
+        if isinstance(exc, KeyboardInterrupt):  # Ctrl-C, or SIGTERM (raytf.cli makes it one)
+            result.status = "interrupted"
+            result.error = "interrupted"
+        else:
+            result.error = str(exc)
         result.traceback = getattr(exc, "traceback", None)
         if not result.history:
             result.history = list(self.epochs.history)

@@ -43,10 +43,20 @@ def _fmt(resources: dict[str, float]) -> str:
     return "{" + ", ".join(f"{k}: {resources[k]:g}" for k in keys) + "}"
 
 
+def can_ever_hold(nodes: list[dict[str, float]], bundles: list[dict[str, float]], strategy: str) -> bool:
+    """Pure: whether nodes with these total resources, all free, could hold the bundles under the placement
+    strategy (each bundle on one node; PACK and SPREAD may share nodes, STRICT_PACK needs one node for all,
+    STRICT_SPREAD a node per bundle)."""
+    from raytf.sweep import place  # the same rules as a sweep's max_concurrent_trials: auto
+
+    return place([dict(n) for n in nodes], [dict(b) for b in bundles], strategy)
+
+
 def shortage_message(bundles: list[dict[str, float]], strategy: str, timeout_s: float,
                      cluster_total: dict[str, float], cluster_available: dict[str, float],
-                     nodes: list[dict[str, float]]) -> str:
-    """Pure: what was asked, what the cluster has, and what to change."""
+                     nodes: list[dict[str, float]], embedded: bool = False) -> str:
+    """Pure: what was asked, what the cluster has, and what to change. `embedded`: the cluster is an
+    embedded local Ray, which cannot grow, and the request was answered at once, without waiting."""
     asked = total(bundles)
     short = [k for k, v in asked.items() if cluster_total.get(k, 0) < v]
     largest = {k: max(b.get(k, 0) for b in bundles) for k in asked}
@@ -57,13 +67,16 @@ def shortage_message(bundles: list[dict[str, float]], strategy: str, timeout_s: 
     else:
         shapes = f"{len(bundles)} bundles (" + ", ".join(f"{sum(1 for b in bundles if _fmt(b) == k)} x {k}"
                                                          for k in kinds) + "; total"
-    msg = (f"placement group not ready after {timeout_s:g}s: asked for {shapes} {_fmt(asked)}, strategy "
+    opening = ("the embedded local Ray (this machine only; it cannot grow) can never hold the placement group"
+               if embedded else f"placement group not ready after {timeout_s:g}s")
+    msg = (f"{opening}: asked for {shapes} {_fmt(asked)}, strategy "
            f"{strategy}); the cluster has {_fmt(cluster_total)} in "
            f"{len(nodes)} node(s), {_fmt(cluster_available)} available now.")
     hints = []
     if short:
-        hints.append(f"It lacks {', '.join(short)}: lower cluster.workers or the per-worker resources, "
-                     f"or add nodes (an autoscaling cluster may need a longer cluster.reserve_timeout_s).")
+        grow = ("or run on a Ray cluster that has them (--address)" if embedded else
+                "or add nodes (an autoscaling cluster may need a longer cluster.reserve_timeout_s)")
+        hints.append(f"It lacks {', '.join(short)}: lower cluster.workers or the per-worker resources, {grow}.")
     if biggest_fit:
         hints.append(f"No single node has the {', '.join(biggest_fit)} one bundle needs: lower the per-worker resources.")
     if not hints and strategy.startswith("STRICT"):
@@ -75,8 +88,17 @@ def shortage_message(bundles: list[dict[str, float]], strategy: str, timeout_s: 
 
 
 def reserve(bundles: list[dict[str, float]], placement: str, timeout_s: float, name: str = "") -> PlacementGroup:
-    """Create the group and wait for it; on timeout remove it and raise PlacementTimeout."""
+    """Create the group and wait for it; on timeout remove it and raise PlacementTimeout. On an embedded
+    local Ray (raytf.driver.session), which cannot grow, a group its node can never hold is a
+    PlacementTimeout at once; a real cluster may gain nodes meanwhile (an autoscaler), so there raytf waits."""
+    from raytf.driver import session
+
     strategy = placement.upper()
+    if session.embedded():
+        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        if not can_ever_hold(nodes, bundles, strategy):
+            raise PlacementTimeout(shortage_message(bundles, strategy, timeout_s, ray.cluster_resources(),
+                                                    ray.available_resources(), nodes, embedded=True))
     pg = placement_group(bundles, strategy=strategy, name=name)
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if ready:

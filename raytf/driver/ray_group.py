@@ -12,6 +12,7 @@ from ray.exceptions import ActorAlreadyExistsError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raytf.actor.context import WorkerPayload
+from raytf.actor.raised import summary
 from raytf.actor.task_actor import TaskActor
 from raytf.driver import placement
 from raytf.driver.group import Finished, TaskError
@@ -50,24 +51,6 @@ def task_error(exc: BaseException) -> TaskError:
         return TaskError(cause.type_name, cause.message, False, describe(exc), cause.traceback)
     return TaskError(type(cause).__name__, str(cause), isinstance(cause, RayActorError), describe(exc),
                      getattr(cause, "traceback", None))
-
-
-_TF_PREAMBLE = ("Graph execution error", "in user code:", "Detected at node", "File ", "[[", "(most recent call last)")
-
-
-def summary(message: str, limit: int = 300) -> str:
-    """One line of an error message that names the cause: the first line, except where TensorFlow
-    opens with "Graph execution error:" and a traceback, whose cause is the last plain line (before
-    op lines such as `[[IteratorGetNext]]`)."""
-    # A remote TF error carries the gRPC details after the cause; they are not it.
-    message = message.split("\nAdditional GRPC error information")[0]
-    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
-    if not lines:
-        return ""
-    if lines[0].startswith(_TF_PREAMBLE):
-        plain = [line for line in lines if not line.startswith(_TF_PREAMBLE) and not line.endswith(":")]
-        return (plain[-1] if plain else lines[-1])[:limit]
-    return lines[0][:limit]
 
 
 def create_actor(pg, index: int, bundle: dict[str, float], runtime_env: dict[str, Any], port: int = 0,

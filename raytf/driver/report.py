@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -57,9 +58,21 @@ class Result:
 
         mark_output(path.parent)
         tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2, default=str) + "\n")
+        # strict JSON: a NaN or infinite number is null (json.dumps would write bare NaN, which parsers refuse)
+        tmp.write_text(json.dumps(finite(self.to_dict()), indent=2, default=str, allow_nan=False) + "\n")
         os.replace(tmp, path)  # readers never see half a file
         return path
+
+
+def finite(value: Any) -> Any:
+    """`value` with every NaN or infinite float, however deep, made None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
 
 
 def write_artifacts(output_dir: Path, artifacts: dict[str, bytes]) -> None:

@@ -3,10 +3,13 @@ RAY_ADDRESS as set by `ray job submit`), or an embedded local Ray started for th
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import os
+import signal
 import tempfile
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Iterator
 
@@ -15,6 +18,7 @@ import ray
 from raytf.actor import scratch
 
 AUTH_MODE = "RAY_AUTH_MODE"
+_embedded = False  # whether this process's Ray is one raytf started for the run (it cannot grow)
 SHUTDOWN_GRACE_S = 5.0  # for an embedded Ray's workers to exit, which they do once its raylet is gone
 
 
@@ -37,6 +41,26 @@ def auth_mode_for(address: str | None) -> str | None:
     return None
 
 
+ALLOW_HTTP_TOKEN = "RAYTF_ALLOW_HTTP_TOKEN"  # =1: send the token over plain HTTP to any address (opt-in)
+
+
+def token_may_travel(url: str, allowed: bool = False) -> bool:
+    """Whether the cluster token may go to `url` (the Jobs API): over https, or over plain http only to this
+    machine (the SSH port-forward of `ray dashboard cluster.yaml`), unless the user opted in. Over plain http
+    to another address, whoever listens there (a typo, a stale RAY_ADDRESS) would get code execution on the
+    cluster."""
+    parsed = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
+    if parsed.scheme == "https" or allowed or os.environ.get(ALLOW_HTTP_TOKEN) == "1":
+        return True
+    host = (parsed.hostname or "").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
+
+
 @contextlib.contextmanager
 def ray_session(address: str | None = None, verbose: bool = False) -> Iterator[str | None]:
     """Yields where the workers' logs are when they are not shown here (None when they are, or when
@@ -51,6 +75,7 @@ def ray_session(address: str | None = None, verbose: bool = False) -> Iterator[s
     # Workers' output (TensorFlow's start-up lines among it) reaches this terminal with --verbose only.
     options = dict(log_to_driver=verbose, logging_level=logging.INFO if verbose else logging.WARNING)
     started = time.time()
+    term = signal.getsignal(signal.SIGTERM)  # ray.init puts its own (sys.exit) over the caller's
     try:
         if address:
             ray.init(address=address, **options)
@@ -59,14 +84,49 @@ def ray_session(address: str | None = None, verbose: bool = False) -> Iterator[s
             # "local": a fresh Ray of our own. A bare ray.init() would join whatever cluster was started
             # last on this machine (/tmp/ray/ray_current_cluster) -- someone else's, or a test's.
             ray.init(address="local", include_dashboard=False, **options)
+            _set_embedded(True)
             hint = _local_logs()
+        _keep_handler(signal.SIGTERM, term)
+        keep_token_private()
         yield None if verbose else f"raytf: workers' logs: {hint} (-v shows them here)"
     finally:
+        _set_embedded(False)
         ray.shutdown()
         if not address:  # its tasks are gone with it: what the killed ones left on this disk goes too
             scratch.sweep(tempfile.gettempdir(), grace_s=SHUTDOWN_GRACE_S, since=started)
         if mode is not None:
             set_auth_mode(None)
+
+
+def keep_token_private() -> None:
+    """The cluster token file readable by its owner only. An embedded Ray writes ~/.ray/auth_token when there
+    is none, with the process's umask (often world-readable), and anyone who reads it can run code on Ray."""
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token").expanduser()
+    try:
+        if path.is_file() and path.stat().st_mode & 0o077:
+            path.chmod(0o600)
+    except OSError:  # not ours to change: Ray's own checks apply
+        pass
+
+
+def _keep_handler(signum: int, handler) -> None:
+    """Put back a Python handler the caller had (raytf's CLI: SIGTERM takes the Ctrl-C path) over Ray's."""
+    if callable(handler):
+        try:
+            signal.signal(signum, handler)
+        except ValueError:  # not the main thread: Ray could not have replaced it either
+            pass
+
+
+def embedded() -> bool:
+    """Whether this process's Ray is an embedded local one raytf started: no autoscaler, no other nodes, so
+    what its node does not hold now it never will (raytf.driver.placement answers such a request at once)."""
+    return _embedded
+
+
+def _set_embedded(value: bool) -> None:
+    global _embedded
+    _embedded = value
 
 
 def set_auth_mode(mode: str | None) -> None:

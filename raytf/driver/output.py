@@ -1,0 +1,98 @@
+"""A run's output.dir, before anything starts: checked usable, held by one run at a time, and cleared of an
+earlier run's results so that a new run's result.json never sits beside an older run's model.
+
+No Ray, no TensorFlow: the driver calls `claim(job)` around the whole run.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import time
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+from raytf.errors import SpecError
+from raytf.spec import Job
+
+LOCK = ".raytf-lock"
+EARLIER = "earlier-runs"  # an earlier run's results, moved aside (never deleted): earlier-runs/<when>/
+# What a run writes into output.dir (raytf.actor.export, raytf.driver.report), and so what an earlier run left.
+RESULTS = ("result.json", "model.keras", "saved_model", "tensorboard")
+
+
+def check(job: Job) -> Path:
+    """output.dir (local) is a folder raytf may write, apart from the job's code and data; SpecError naming
+    the problem otherwise. Returns it."""
+    out = job.output_dir
+    where = f"output.dir {out}"
+    if out.exists() and not out.is_dir():
+        raise SpecError(f"{where} is a file, not a folder; give a folder (default: runs/<name> in the job folder)")
+    job_dir = Path(job.job_dir).resolve()
+    resolved = out.resolve()
+    if resolved == job_dir or resolved in job_dir.parents:
+        raise SpecError(f"{where} is the job folder{'' if resolved == job_dir else ' or holds it'}: results would "
+                        f"land among the job's code and be uploaded with it; use a folder of its own, e.g. runs/<name>")
+    if job.spec.data is not None:
+        for key in ("train", "validation"):
+            path = getattr(job.spec.data, key)
+            if path is None or "://" in path:
+                continue
+            data = Path(job.data_path(path)).resolve()
+            if data == resolved or resolved in data.parents or data in resolved.parents:
+                raise SpecError(f"{where} overlaps data.{key} ({data}): the data would be left out of the job's "
+                                f"package and results written among it; give output.dir a folder of its own")
+    probe = resolved / f".raytf-probe-{uuid.uuid4().hex}"
+    try:
+        resolved.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as exc:
+        raise SpecError(f"{where} cannot be written ({exc.strerror or exc}); give a folder you can write") from None
+    return resolved
+
+
+@contextlib.contextmanager
+def claim(job: Job) -> Iterator[Path]:
+    """Hold output.dir for this run: check it, lock it (a second run into it is a SpecError naming the first),
+    and move an earlier run's results aside to earlier-runs/<when>/. The lock goes with the process."""
+    out = check(job)
+    handle = open(out / LOCK, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise SpecError(f"output.dir {out} is in use by another run ({holder}); wait for it to end, or give this "
+                        f"run another output.dir (--set output.dir=...)") from None
+    try:
+        handle.seek(0)
+        handle.truncate()
+        handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                 "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}))
+        handle.flush()
+        move_earlier_results(out)
+        yield out
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(out / LOCK)
+        handle.close()
+
+
+def move_earlier_results(out: Path) -> Path | None:
+    """An earlier run's results in `out` go to earlier-runs/<its time>/ (checkpoints stay for --resume)."""
+    found = [name for name in RESULTS if (out / name).exists()]
+    if not found:
+        return None
+    when = time.strftime("%Y%m%d-%H%M%S", time.localtime((out / found[0]).stat().st_mtime))
+    target = out / EARLIER / when
+    while target.exists():
+        target = target.with_name(target.name + "-1")
+    target.mkdir(parents=True)
+    for name in found:
+        os.replace(out / name, target / name)
+    return target
