@@ -38,6 +38,7 @@ class Script:
     says_steps: bool = True  # False: a train_fn that reports no step (a tf.keras fit), only epochs
     cpu_share: float = 1.0  # of one core, while it runs (not once it hangs)
     epoch_s: float | None = None  # an epoch's metrics in its progress every this many seconds
+    work_per_s: float = 0.0  # a parameter-server chief's train_fn: functions its workers finished, per second
     outcome: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -171,7 +172,8 @@ class FakeGroup:
                        for e in range(1, int(running // h.script.epoch_s) + 1)] if h.script.epoch_s else [])
             step = int(running * h.script.steps_per_s) if h.script.says_steps else 0
             out.append({"phase": "train", "global_step": step, "epochs": epochs,
-                        "cpu_s": running * h.script.cpu_share, "updated": now, "steps_per_s": h.script.steps_per_s, **({"checkpoint_s": h.script.checkpoint_s} if h.script.checkpoint_s else {})})
+                        "cpu_s": running * h.script.cpu_share, "work_done": int(running * h.script.work_per_s),
+                        "updated": now, "steps_per_s": h.script.steps_per_s, **({"checkpoint_s": h.script.checkpoint_s} if h.script.checkpoint_s else {})})
         return out
 
     def stop_at(self, ranks: list[int], step: int, timeout_s: float) -> list[dict[str, Any] | None]:

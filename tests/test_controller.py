@@ -101,6 +101,11 @@ def test_a_rank_that_says_no_steps_is_alive_while_it_computes_and_hung_once_it_s
     result = run_fast(c)
     detected_after = result.restarts[0]["time"] - (world.groups[0].handles[1].started + 10.0)
     assert [r["kind"] for r in result.restarts] == ["hang"] and 8 <= detected_after <= 8 + 4 + 2, detected_after
+    # A parameter-server chief waiting in coordinator.join(): idle, but its workers finish what it scheduled.
+    joins = lambda attempt, task: Script(finish_after=24.0, says_steps=False, cpu_share=0.005,  # noqa: E731
+                                         work_per_s=2.0)
+    result = run_fast(make(tmp_path, joins, make_job(tmp_path, failure={"hang_timeout_s": 8}))[0])
+    assert result.status == "succeeded" and result.restarts == []
 
 
 def test_a_failed_job_keeps_its_epochs_tasks_restarts_and_the_traceback(tmp_path):

@@ -75,14 +75,11 @@ def test_parameter_server_specs_are_checked():
         assert f"cluster.{key} is for strategy: parameter_server; remove it" in message, message
     assert "kind fixed needs shards" in error_of(ps(cluster={"ps": 1, "variable_partitioner": {"kind": "fixed"}}))
     assert "the evaluator evaluates the chief's checkpoints" in error_of(ps(cluster={"ps": 1, "evaluator": True}))
-    assert "train_fn is not supported with strategy: parameter_server" in error_of(
-        ps(model=None, data=None, train_fn="tmodel:train"))
     assert parse(ps(train={"precision": "mixed_float16"}))  # one loop: both strategies
     assert "XLA cannot compile a step whose variables live on the ps tasks" in error_of(ps(train={"jit_compile": True}))
     assert "ClusterCoordinator sends each step to whichever worker is free" in error_of(ps(data={"remainder": "pad"}))
     assert "failure.elastic is not supported" in error_of(ps(failure={"elastic": {"min_workers": 1}}))
     # the strategy's refusals come before the general rules a refused key would also break
-    assert "dataset_fn is not supported" in error_of(ps(data=None, dataset_fn="tmodel:ds"))
     assert "failure.elastic is not supported" in error_of(ps(failure={"elastic": {"min_workers": 5}}))
     assert "cluster.gpu_placement: per_node is not supported" in error_of(
         ps(cluster={"ps": 1, "gpu_placement": "per_node", "gpus_per_worker": 2}))
@@ -96,6 +93,37 @@ def test_parameter_server_specs_are_checked():
     assert parse(ps(cluster={"ps": 1, "workers": 3, "gpus_per_worker": 2}, train={"global_batch_size": 64}))
     assert "divisible by the 2 GPUs of a worker; use 62 or 64" in error_of(
         ps(cluster={"ps": 1, "gpus_per_worker": 2}, train={"global_batch_size": 63}))
+
+
+def test_parameter_servers_take_a_train_fn_a_dataset_fn_and_tf_keras():
+    own = {"model": None, "data": None, "train_fn": "tmodel:train"}
+    assert parse(ps(**own)).train_fn == "tmodel:train"  # on the chief, with ctx.strategy and ctx.coordinator
+    assert parse(ps(train_fn="tmodel:train")).data is not None  # ... reading the job's data through ctx.dataset
+    assert parse(ps(**own, train={"keras": "legacy"})).train.keras == "legacy"  # tf.keras, model.fit included
+    spec = parse(ps(data=None, dataset_fn="tmodel:ds", train={"steps_per_epoch": 5}))  # raytf's loop over it
+    assert spec.dataset_fn == "tmodel:ds" and spec.train.steps_per_epoch == 5
+    # what stays refused says why and what to do
+    assert "train.steps_per_epoch: required with dataset_fn" in error_of(ps(data=None, dataset_fn="tmodel:ds"))
+    assert "train.keras: legacy runs a train_fn" in error_of(ps(train={"keras": "legacy"}))
+    message = error_of(ps(**own, cluster={"ps": 1, "evaluator": True}, checkpoint={"dir": "ckpt"}))
+    assert "cluster.evaluator evaluates the checkpoints of raytf's loop, not a train_fn's" in message
+    assert "ctx.dataset('validation')" in message and "evaluator: false" in message
+    assert "XLA cannot compile" in error_of(ps(**own, train={"jit_compile": True}))
+    assert "optimizer.scale_lr is for raytf's loop" in error_of(
+        ps(**own, optimizer={"scale_lr": {"rule": "linear", "base_batch_size": 32}}))
+
+
+def test_a_keras3_fit_in_a_parameter_server_train_fn_is_refused_with_the_way_out(job_dir):
+    (job_dir / "fits.py").write_text("def train(ctx):\n    model = ctx.build_model()\n    model.fit(ctx.dataset())\n")
+    raw = ps(train_fn="fits:train")
+    with pytest.raises(SpecError) as info:
+        load(write_job(job_dir, raw), check_data=False, check_code=False)
+    message = str(info.value)
+    assert "calls .fit() (line 3)" in message and "does not drive ParameterServerStrategy's ClusterCoordinator" in message
+    assert "train.keras: legacy" in message and "ctx.coordinator.schedule" in message
+    legacy = load(write_job(job_dir, ps(train_fn="fits:train", train={"keras": "legacy"})), check_data=False,
+                  check_code=False)
+    assert legacy.spec.train.keras == "legacy"  # tf-keras's fit drives the coordinator itself
 
 
 def test_overrides_set_nested_keys_with_yaml_types():

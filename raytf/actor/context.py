@@ -147,6 +147,12 @@ class TaskContext:
             if rate is not None:
                 self._progress["steps_per_s"] = round(rate, 2)  # since the last report: a drain's stop step
 
+    def work_done(self) -> None:
+        """A unit of work finished that is not an optimizer step this task took (a parameter-server worker
+        ran a function the chief's train_fn scheduled): progress for the hang watchdog."""
+        with self._lock:
+            self._progress["work_done"] = self._progress.get("work_done", 0) + 1
+
     def phase(self, name: str) -> None:
         """A named stretch of work (validating, checkpointing, restoring): progress for the hang watchdog."""
         with self._lock:

@@ -1,4 +1,6 @@
-"""train_fn: the user's own training loop under MultiWorkerMirroredStrategy, with what raytf's loop has.
+"""train_fn: the user's own training loop, with what raytf's loop has: on every worker under
+MultiWorkerMirroredStrategy, and on the chief under parameter servers (raytf.actor.ps_own_loop supplies
+that strategy's data and checkpoint options).
 
 The user's function gets a TaskContext (raytf.actor.context) whose data, checkpoint and progress calls land
 here: this worker's shard of the job's `data:` section read by raytf's pipeline (ctx.dataset,
@@ -13,7 +15,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 import tensorflow as tf
 
@@ -28,16 +30,21 @@ from raytf.spec import LEGACY_INSTALL
 KERAS3_FIT_ERROR = "Attempt to convert a value (PerReplica"
 
 
-def run(strategy: tf.distribute.Strategy, payload: WorkerPayload, ctx: TaskContext) -> dict[str, Any]:
+def run(strategy: tf.distribute.Strategy, payload: WorkerPayload, ctx: TaskContext,
+        own_loop: "type[OwnLoop] | None" = None) -> dict[str, Any]:
+    """Run the train_fn; `own_loop`: the class behind its ctx (default: MultiWorkerMirrored's)."""
     spec = payload.spec
     ctx.strategy = strategy
     ctx.num_replicas = strategy.num_replicas_in_sync
     ctx.per_replica_batch_size = spec.train.global_batch_size // ctx.num_replicas
-    ctx.own_loop = OwnLoop(strategy, payload, ctx)
-    if spec.train.keras != "legacy":  # tf-keras (Keras 2) keeps BatchNormalization's statistics in sync itself
+    ctx.own_loop = (own_loop or OwnLoop)(strategy, payload, ctx)
+    # Replicas of one variable exist only under mirrored (parameter servers hold one copy); tf-keras
+    # (Keras 2) keeps BatchNormalization's statistics in sync itself.
+    if spec.strategy == "mirrored" and spec.train.keras != "legacy":
         ctx.state_sync = lambda model: steps_lib.make_state_sync(strategy, model)()
     try:
         payload.function("train_fn")(ctx)
+        ctx.own_loop.finish()
     except StopTraining as stop:  # a drain notice: the checkpoint at the common step is written
         return {"preempted": stop.info, "history": ctx.history, "steps": stop.info["step"],
                 "steps_run": stop.info["step"] - ctx.restored_step}
@@ -61,15 +68,22 @@ class OwnLoop:
 
     def __init__(self, strategy: tf.distribute.Strategy, payload: WorkerPayload, ctx: TaskContext):
         self.strategy, self.payload, self.ctx = strategy, payload, ctx
-        self.plan = None
-        if payload.train_data is not None:  # the same plan as raytf's loop: shards, steps, batches
-            local_replicas = len(strategy.extended.worker_devices)
-            self.plan = InputPlan(payload, ctx.world_size, ctx.per_replica_batch_size, local_replicas,
-                                  cache_dir=ctx.staging_dir + ".cache")
-            ctx.steps_per_epoch = self.plan.steps
-            ctx.validation_steps = self.plan.val_steps or None
         self.restored_files: list[str] = []  # checkpoints read, kept until the loop ends (deferred restores)
         self.last_checkpoint: LoopCheckpoint | None = None  # what a drain notice saves
+        self.plan_input()
+
+    def plan_input(self) -> None:
+        """The same plan as raytf's loop: shards, steps, batches (ctx.steps_per_epoch, validation_steps)."""
+        self.plan = None
+        if self.payload.train_data is not None:
+            local_replicas = len(self.strategy.extended.worker_devices)
+            self.plan = InputPlan(self.payload, self.ctx.world_size, self.ctx.per_replica_batch_size, local_replicas,
+                                  cache_dir=self.ctx.staging_dir + ".cache")
+            self.ctx.steps_per_epoch = self.plan.steps
+            self.ctx.validation_steps = self.plan.val_steps or None
+
+    def finish(self) -> None:
+        """After the train_fn returned: what the strategy must settle before the outcome counts."""
 
     def close(self) -> None:
         for folder in self.restored_files:
@@ -115,8 +129,12 @@ class OwnLoop:
         if not trackables:
             raise ValueError("ctx.checkpoint(): name what to save, e.g. ctx.checkpoint(model=model, optimizer=optimizer)")
         self.last_checkpoint = LoopCheckpoint(tf.train.Checkpoint(**trackables), self.payload, self.ctx,
-                                              self.restored_files)
+                                              self.restored_files, **self.checkpoint_settings())
         return self.last_checkpoint
+
+    def checkpoint_settings(self) -> dict[str, Any]:
+        """How this strategy's checkpoints are read and written (LoopCheckpoint's options, before_save)."""
+        return {}
 
     def stop_here(self, step: int) -> None:
         """The step a drain notice set: save the train_fn's checkpoint here (if it made one), then end it."""
@@ -134,9 +152,13 @@ class LoopCheckpoint:
     (raytf.actor.loop.write_state / read_state): ckpt-<step>/ with raytf.json last, pruned to checkpoint.keep.
     Without checkpoint.dir, save() does nothing and restore() finds nothing."""
 
-    def __init__(self, state: tf.train.Checkpoint, payload: WorkerPayload, ctx: TaskContext, restored_files: list[str]):
+    def __init__(self, state: tf.train.Checkpoint, payload: WorkerPayload, ctx: TaskContext, restored_files: list[str],
+                 options: tf.train.CheckpointOptions | None = None, before_save: Callable[[], None] | None = None):
+        """options: where TensorFlow reads and writes the files (the chief's own disk, under parameter
+        servers); before_save: run first (parameter servers: wait for the scheduled steps)."""
         self.state, self.payload, self.ctx = state, payload, ctx
         self.restored_files = restored_files
+        self.options, self.before_save = options, before_save
         self.storage = Storage(payload.checkpoint_dir) if payload.checkpoint_dir else None
         self.saved_step: int | None = None
 
@@ -151,7 +173,7 @@ class LoopCheckpoint:
         # created, from files that must still be there then.
         local = tempfile.mkdtemp(prefix="raytf-restore-")
         self.restored_files.append(local)
-        loop.read_state(self.state, resume, self.payload.checkpoint_dir, self.ctx, keep_in=local)
+        loop.read_state(self.state, resume, self.payload.checkpoint_dir, self.ctx, self.options, keep_in=local)
         self.ctx.history = [dict(h) for h in resume.history]
         self.ctx.global_step = self.ctx.restored_step = resume.step
         self.ctx.phase("train")
@@ -161,10 +183,13 @@ class LoopCheckpoint:
         """Call it on every worker at the same step (a MultiWorkerMirrored save may run collectives)."""
         if self.storage is None:
             return
+        if self.before_save is not None:
+            self.before_save()
         spe = self.ctx.steps_per_epoch
         epoch, in_epoch = (step // spe + 1, step % spe) if spe else (len(self.ctx.history) + 1, 0)
         history = list(self.ctx.history)
         self.saved_step = step
         loop.write_state(self.state, self.storage, self.ctx, self.payload.spec.checkpoint.keep,
                          lambda local_dir: {"step": int(step), "epoch": epoch, "step_in_epoch": in_epoch,
-                                            "history": history})
+                                            "history": history},
+                         self.options)

@@ -1,5 +1,6 @@
 """raytf's loop under ParameterServerStrategy: the chief coordinates, ps tasks hold the variables, workers
-run the steps; and the optional evaluator side-car.
+run the steps; and the optional evaluator side-car. (A train_fn runs on the chief instead of this loop:
+raytf.actor.ps_own_loop; the ps and worker tasks are the same.)
 
 The chief (a Ray actor like every other task) builds the model under the strategy (variables go to the ps
 tasks, large ones split by the variable partitioner), schedules `steps_per_epoch` steps per epoch with
@@ -15,6 +16,7 @@ task), checkpoints hold the raw TF variables, and the saved model is a plain cop
 from __future__ import annotations
 
 import collections
+import inspect
 import logging
 import math
 import os
@@ -54,6 +56,8 @@ def partitioner(spec: JobSpec):
 
 
 def steps_per_epoch(payload: WorkerPayload) -> int:
+    if payload.train_data is None:  # dataset_fn: the spec requires train.steps_per_epoch
+        return payload.spec.train.steps_per_epoch
     return steps_lib.steps_per_epoch(payload.spec, payload.train_data.num_rows)
 
 
@@ -95,7 +99,7 @@ class _RecoveryLog(logging.Handler):
             self.recovered.append(record.getMessage().split()[1])
 
 
-def _watch_recoveries() -> _RecoveryLog:
+def watch_recoveries() -> _RecoveryLog:
     logger = tf.get_logger()
     # The logger must pass INFO to reach this handler; TF's own output stays at WARNING: its handler
     # is raised to WARNING and the root logger (which Ray's workers print at INFO) no longer sees it.
@@ -115,8 +119,9 @@ def _watch_recoveries() -> _RecoveryLog:
 def prepare(task, payload: WorkerPayload, ctx: TaskContext) -> None:
     """A worker's shard of the training data as local TFRecords (see raytf.data), and its staging folder
     as the working directory: the pipeline the chief builds reads them by a relative path, with TF ops
-    only (a pipeline that calls back into Python cannot run on a remote TF worker)."""
-    if task.role != "worker":
+    only (a pipeline that calls back into Python cannot run on a remote TF worker). Without data (a
+    dataset_fn, or a train_fn that reads its own), the working directory stays the job's."""
+    if task.role != "worker" or payload.train_data is None:
         return
     ctx.phase("converting data")
     info = payload.train_data
@@ -148,6 +153,10 @@ def train(server, task, payload: WorkerPayload, ctx: TaskContext) -> dict[str, A
 
 
 def run_chief(payload: WorkerPayload, ctx: TaskContext) -> dict[str, Any]:
+    if payload.spec.train_fn is not None:
+        from raytf.actor import ps_own_loop
+
+        return ps_own_loop.run(payload, ctx)
     return loop.run(ParameterServerRunner(payload, ctx), payload, ctx)
 
 
@@ -159,7 +168,7 @@ class ParameterServerRunner:
         spec = payload.spec
         self.payload, self.ctx = payload, ctx
         keras.utils.set_random_seed(spec.train.seed)
-        self.recoveries = _watch_recoveries()
+        self.recoveries = watch_recoveries()
         self.strategy = strategy = tf.distribute.ParameterServerStrategy(
             tf.distribute.cluster_resolver.TFConfigClusterResolver(), variable_partitioner=partitioner(spec))
         self.coordinator = coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
@@ -179,9 +188,12 @@ class ParameterServerRunner:
         first_epoch = payload.resume_from.epoch if payload.resume_from else 1
         seed = spec.train.seed + first_epoch  # a resumed run does not replay the same order
         # data.decode/preprocess/cache: traced here, on the chief, and run as a graph on each worker
-        examples = Examples(payload, info, training=True) if spec.data.per_example else None
+        examples = Examples(payload, info, training=True) if spec.data is not None and spec.data.per_example else None
 
         def worker_dataset():
+            if info is None:  # dataset_fn: which worker ran a step is not known (-1: no per-worker timing)
+                batches = user_batches(payload.function("dataset_fn"), spec.train.accumulation_steps)
+                return tf.data.Dataset.zip((batches, tf.data.Dataset.from_tensors(-1).repeat()))
             # Runs on each worker: its own index file, so every step says which worker ran it.
             index = tf.strings.to_number(tf.io.read_file(WORKER_INDEX_FILE), tf.int32)
             batches = data.record_dataset(info, f"{data.RECORDS_DIR}/train", global_batch, spec.train.shuffle_buffer,
@@ -194,7 +206,7 @@ class ParameterServerRunner:
 
         sources = [t.value for t in targets]
         gradients = steps_lib.make_gradients(model, optimizer, loss_fn, train_acc, spec.train.effective_batch_size,
-                                             sources)
+                                             sources, micro_batches=spec.train.accumulation_steps)
         # One scheduled step is one optimizer step: its worker runs the K micro-batches, then applies once.
         gradients = steps_lib.accumulate(gradients, sources, sum(train_acc.sizes), spec.train.accumulation_steps,
                                          take=lambda t, k: t[:, k])
@@ -221,7 +233,8 @@ class ParameterServerRunner:
         def eval_step(x, y, w):  # on the chief itself: exact, every validation row once
             pred = steps_lib.float32(model(x, training=False))
             y = steps_lib.align_labels(y, pred)
-            return eval_acc.delta(y, pred, loss_fn(y, pred), weight=w)
+            return eval_acc.delta(y, pred, loss_fn(y, pred), weight=w,
+                                  regularization=steps_lib.regularization_loss(model))
 
         self._train_step, self._eval_step = train_step, eval_step
         self._validate = _validation(payload, global_batch, ctx.staging_dir + ".cache") \
@@ -246,9 +259,11 @@ class ParameterServerRunner:
                 continue
             delta, (wait, step), worker = fetched
             self._totals += delta
-            if int(worker) in self._timed_workers:  # a worker's first step is its pipeline starting up
-                self._timing[int(worker)] += (wait, step, 1.0)
-            self._timed_workers.add(int(worker))
+            worker = int(worker)
+            if worker >= 0:  # -1: a dataset_fn's step, whose worker is not known
+                if worker in self._timed_workers:  # a worker's first step is its pipeline starting up
+                    self._timing[worker] += (wait, step, 1.0)
+                self._timed_workers.add(worker)
             yield delta[0] / max(delta[1], 1.0)
 
     def timing(self) -> dict[str, dict[str, float]]:
@@ -293,11 +308,39 @@ class ParameterServerRunner:
         return self.payload.spec.cluster.evaluator  # the evaluator must see the final weights
 
     def finish(self) -> dict[str, Any]:
-        # outside the strategy: ordinary variables on the chief (a subclassed model built first)
-        plain = export.plain_copy(self.payload.function("model"), self.model.get_weights(), self.payload)
+        plain = plain_model(self.payload, self.model.get_weights())
         exports = export.write(plain, self.payload, self.ctx.staging_dir, plain=True)
         return {"exports": exports, "weights_digest": steps_lib.weights_digest(plain), "replicas": self.strategy.num_replicas_in_sync,
                 "variable_devices": variable_devices(self.model), "recovered_workers": self.recoveries.recovered}
+
+
+def plain_model(payload: WorkerPayload, weights: list) -> keras.Model:
+    """The trained model outside the strategy: ordinary variables on the chief (a subclassed model built
+    first, on a row of the data; a dataset_fn's model has its variables from the start, steps_lib says)."""
+    if payload.train_data is None:
+        model = payload.function("model")()
+        model.set_weights(weights)
+        return model
+    return export.plain_copy(payload.function("model"), weights, payload)
+
+
+def user_batches(dataset_fn, micro_batches: int) -> tf.data.Dataset:
+    """A dataset_fn's dataset on a worker. It is called as under mirrored, with an InputContext (one input
+    pipeline: every worker runs the same function, and a step takes one batch of train.global_batch_size
+    from one worker), or with nothing when it takes no argument (as create_per_worker_dataset's functions).
+    With train.accumulation_steps K, K batches make one element, batch-major ([batch, K, ...]) as raytf's
+    records are."""
+    context = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1)
+    takes_context = bool(inspect.signature(dataset_fn).parameters)
+    batches = dataset_fn(context) if takes_context else dataset_fn()
+    if micro_batches == 1:
+        return batches
+
+    def batch_major(*element):  # (x, y) arrives as two arguments, a lone element as one
+        return tf.nest.map_structure(lambda t: tf.experimental.numpy.swapaxes(t, 0, 1),
+                                     element if len(element) > 1 else element[0])
+
+    return batches.batch(micro_batches, drop_remainder=True).map(batch_major)
 
 
 IN_FLIGHT_PER_WORKER = 4  # scheduled steps not yet fetched, per worker: enough to keep every worker busy
@@ -382,7 +425,7 @@ def run_evaluator(payload: WorkerPayload, ctx: TaskContext) -> dict[str, Any]:
     def eval_step(x, y, w):
         pred = model(x, training=False)
         y = steps_lib.align_labels(y, pred)
-        return acc.delta(y, pred, loss_fn(y, pred), weight=w)
+        return acc.delta(y, pred, loss_fn(y, pred), weight=w, regularization=steps_lib.regularization_loss(model))
 
     storage = Storage(payload.checkpoint_dir)
     final_step = spec.train.epochs * steps_per_epoch(payload)

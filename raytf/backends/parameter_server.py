@@ -58,14 +58,13 @@ class ParameterServer(Backend):
         return super().validation_each_epoch(spec) and not spec.cluster.evaluator
 
     def check(self, spec: "JobSpec") -> None:
-        """What raytf's parameter-server loop supports; each refusal names the key and the way out."""
+        """What parameter-server jobs support (raytf's loop, a dataset_fn, a train_fn on the chief); each
+        refusal names the key and the way out."""
         cluster = spec.cluster
         if cluster.ps < 1:
             raise ValueError(f"cluster.ps: {cluster.ps} under strategy parameter_server; the variables need "
                              f"at least one ps task: set cluster.ps: 1 or more")
         refused = [
-            (spec.train_fn is not None, "train_fn", "use model + data (raytf's loop)"),
-            (spec.dataset_fn is not None, "dataset_fn", "use data (Parquet)"),
             # XLA compiles a function only over variables on its own device, and every variable of a
             # parameter-server job lives on a ps task: TF fails with "Trying to access resource ... located
             # in device /job:ps/... from device /job:worker/..." (tensorflow.org/xla/known_issues).
@@ -87,6 +86,11 @@ class ParameterServer(Backend):
         for bad, what, fix in refused:
             if bad:
                 raise ValueError(f"{what} is not supported with strategy: parameter_server; {fix}")
+        if cluster.evaluator and spec.train_fn is not None:
+            # The evaluator reads the weights raytf's loop saves beside each checkpoint; a train_fn's
+            # checkpoints hold whatever it named, in its own structure.
+            raise ValueError("cluster.evaluator evaluates the checkpoints of raytf's loop, not a train_fn's; evaluate "
+                             "in the train_fn on the chief (ctx.dataset('validation')), or set evaluator: false")
         if cluster.evaluator and (spec.checkpoint.dir is None or spec.data is None or spec.data.validation is None):
             raise ValueError("cluster.evaluator: the evaluator evaluates the chief's checkpoints on the validation "
                              "data; set checkpoint.dir and data.validation, or evaluator: false")

@@ -342,8 +342,9 @@ class Controller:
             for rank in a.progress_seen:
                 p = progress[rank]
                 if p is not None and rank not in a.outcomes:
-                    a.progress_seen[rank] = heard(a.progress_seen[rank], (p.get("phase"), p.get("global_step")),
-                                                  p.get("cpu_s"), now, hang_timeout_s, self.limits)
+                    marker = (p.get("phase"), p.get("global_step"), p.get("work_done"))
+                    a.progress_seen[rank] = heard(a.progress_seen[rank], marker, p.get("cpu_s"), now, hang_timeout_s,
+                                                  self.limits)
             a.last_step = max([a.last_step] + [p.get("global_step", 0) for p in progress if p])
             if self._watch_drains(progress, now):
                 return  # the attempt ended for a drained node
