@@ -32,6 +32,15 @@ class CheckpointInfo:
     world_size: int = 0
 
 
+def resume_note(checkpoint_dir: str | None) -> str | None:
+    """--resume: a SpecError without a checkpoint.dir; a line to show when it holds no checkpoint yet."""
+    if checkpoint_dir is None:
+        raise SpecError("--resume: the job has no checkpoint.dir to resume from; set checkpoint.dir")
+    if Storage(checkpoint_dir).latest() is None:
+        return f"raytf: --resume: checkpoint.dir {checkpoint_dir} holds no checkpoint yet; training starts from scratch"
+    return None
+
+
 class Storage:
     """One checkpoint directory, addressed by a local path or a URI."""
 

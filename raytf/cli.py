@@ -116,7 +116,7 @@ def data_inspect(path: str, workers: int) -> None:
 
 @data.command("synth-criteo")
 @click.argument("out_dir")
-@click.option("--rows", default=100_000, show_default=True)
+@click.option("--rows", default=100_000, show_default=True, type=click.IntRange(min=1))
 @click.option("--files", default=4, show_default=True)
 @click.option("--row-group-size", default=8192, show_default=True)
 @click.option("--seed", default=0, show_default=True)

@@ -75,6 +75,21 @@ class NonFiniteLoss(RaytfError):
         return type(self), (self.loss, self.epoch, self.step, self.rank)
 
 
+class NonFiniteWeights(RaytfError):
+    """The model's weights hold NaN or inf at the end of training, though the loss stayed finite (NaN or inf
+    in the data, usually): nothing is exported."""
+
+    def __init__(self, first: str, count: int, epoch: int, step: int, rank: int):
+        super().__init__(f"the model's weights hold NaN or inf after epoch {epoch}, step {step} (rank {rank}; {first}"
+                         f"{f' and {count - 1} more' if count > 1 else ''}), though the loss stayed finite: the data "
+                         f"likely holds NaN or inf values (raytf data inspect; data.fill_nulls), or training diverged; "
+                         f"nothing was exported (train.nonfinite_loss: continue exports it anyway)")
+        self.first, self.count, self.epoch, self.step, self.rank = first, count, epoch, step, rank
+
+    def __reduce__(self):  # raised in an actor, unpickled in the driver
+        return type(self), (self.first, self.count, self.epoch, self.step, self.rank)
+
+
 class CheckpointMismatch(RaytfError):
     """A checkpoint that reads fine but does not fit the model (other shapes, missing or extra variables):
     the job's code changed, or checkpoint.dir holds another model's. Never answered with a fresh start."""

@@ -3,38 +3,54 @@
 instead of after reservation, actor start and TensorFlow's start-up in every worker (~30 s).
 
 Only for raytf's loop under Keras 3 (a train_fn builds its own model; tf-keras is not this process's Keras).
-The driver has imported Keras already for the loss, optimizer and metric names.
+The driver has imported Keras already for the loss, optimizer and metric names. It builds the model as rank
+0 would (TF_CONFIG of the chief), with the job folder as the working directory and its output held back.
 """
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import os
 import traceback
 from pathlib import Path
 
 from raytf.errors import SpecError, clip
 
-_built: set[tuple[str, str]] = set()  # (job folder, model ref) built fine in this process: a sweep builds once
+# (job folder, model ref) -> its output shape, for the models built fine in this process: a sweep builds once
+_built: dict[tuple[str, str], tuple | None] = {}
 
 
-def check_model_builds(job, build) -> None:
-    """Call the model function `build` with the job folder as the working directory (as in the actors);
-    SpecError naming file:line and the exception if it raises or returns no Keras model, or when its output
-    cannot take the data's label with the job's loss (spec.check_labels)."""
+def _rank_zero_tf_config(spec) -> str:
+    """TF_CONFIG as rank 0 sees it (addresses are placeholders: the driver starts no server): the driver builds
+    the model as the chief would."""
+    cluster = spec.cluster
+    if spec.strategy == "parameter_server":
+        jobs = {"chief": ["localhost:1"], "ps": ["localhost:2"] * cluster.ps, "worker": ["localhost:3"] * cluster.workers}
+        return json.dumps({"cluster": jobs, "task": {"type": "chief", "index": 0}})
+    return json.dumps({"cluster": {"worker": ["localhost:1"] * cluster.workers}, "task": {"type": "worker", "index": 0}})
+
+
+def model_output_shape(spec, job_dir: Path, build) -> tuple | None:
+    """Call the model function `build` as rank 0 would, with the job folder as the working directory (as in
+    the actors); SpecError naming file:line and the exception if it raises or returns no Keras model. Returns
+    the model's per-row output shape where it has one output of known shape (else None: checked later)."""
     from raytf.actor import raised
-    from raytf.spec import check_labels
 
-    spec, job_dir = job.spec, Path(job.job_dir)
+    job_dir = Path(job_dir)
     if spec.train_fn is not None or spec.train.keras == "legacy" or spec.model is None:
-        return
+        return None
     key = (str(job_dir), spec.model)
     if key in _built:
-        return
+        return _built[key]
     import keras
 
-    here = os.getcwd()
+    here, tf_config = os.getcwd(), os.environ.get("TF_CONFIG")
     try:
         os.chdir(job_dir)
-        model = build()
+        os.environ["TF_CONFIG"] = tf_config or _rank_zero_tf_config(spec)  # a model may ask who it is
+        with contextlib.redirect_stdout(io.StringIO()):  # model.summary() and the like: the workers' logs have them
+            model = build()
     except Exception as exc:
         frames = [(f.filename, f.lineno or 0) for f in traceback.extract_tb(exc.__traceback__)]
         where = raised.user_line(frames, str(exc), [str(job_dir)])
@@ -42,6 +58,8 @@ def check_model_builds(job, build) -> None:
                         + f"{type(exc).__name__}: {clip(raised.summary(str(exc)))}") from None
     finally:
         os.chdir(here)
+        if tf_config is None:
+            os.environ.pop("TF_CONFIG", None)
     if not isinstance(model, keras.Model):
         raise SpecError(f"model: {spec.model} returned {clip(repr(model), 100)}, not a Keras model; return e.g. "
                         f"keras.Sequential([...])")
@@ -51,6 +69,6 @@ def check_model_builds(job, build) -> None:
         output = None
     del model
     keras.backend.clear_session()
-    if isinstance(output, tuple) and all(isinstance(d, (int, type(None))) for d in output):  # one output
-        check_labels(spec, job.datasets, tuple(output[1:]))
-    _built.add(key)
+    one_output = isinstance(output, tuple) and all(isinstance(d, (int, type(None))) for d in output)
+    _built[key] = tuple(output[1:]) if one_output else None
+    return _built[key]

@@ -23,9 +23,23 @@ from raytf.errors import SpecError, clip
 FUNCTION_REF = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
 
 
+_NUMBERS = (int, float, int | None, float | None)
+
+
 class _Strict(BaseModel):
     # allow_inf_nan=False: `learning_rate: .inf` or a NaN timeout is refused, naming the key
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_yes_no_for_numbers(cls, raw: Any) -> Any:
+        """`workers: true` is not 1: pydantic would take a bool for an int or a float."""
+        if isinstance(raw, Mapping):
+            for key, value in raw.items():
+                field = cls.model_fields.get(key) if isinstance(key, str) else None
+                if isinstance(value, bool) and field is not None and field.annotation in _NUMBERS:
+                    raise ValueError(f"{key}: {value!r} is yes/no, not a number; give a number")
+        return raw
 
 
 class DecodeSpec(_Strict):
@@ -215,7 +229,7 @@ class OptimizerSpec(_Strict):
 
 class TrainSpec(_Strict):
     epochs: int = Field(default=1, ge=1)
-    global_batch_size: int = Field(default=64, ge=1)
+    global_batch_size: int = Field(default=64, ge=1, le=2 ** 31 - 1)
     steps_per_epoch: int | None = Field(default=None, ge=1)
     seed: int = 0
     shuffle_buffer: int = Field(default=10_000, ge=0)
@@ -381,7 +395,7 @@ class ProfileSpec(_Strict):
 
 
 class OutputSpec(_Strict):
-    dir: str | None = None  # default: runs/<name>, next to the job file
+    dir: str | None = Field(default=None, min_length=1)  # default: runs/<name>, next to the job file
     tensorboard: bool = True
     # keras: model.keras; saved_model: a TensorFlow SavedModel for TF Serving, at saved_model/
     export: list[Literal["keras", "saved_model"]] = Field(default_factory=lambda: ["keras"], min_length=1)
@@ -392,7 +406,7 @@ class OutputSpec(_Strict):
 
 
 class JobSpec(_Strict):
-    name: str = Field(pattern=r"^[\w.-]+$")
+    name: str = Field(pattern=r"^[\w.-]+$", max_length=100)
     # The job folder: relative paths and module:function names resolve against it, and it travels to
     # every actor. Default: the job file's folder; a relative base_dir is relative to that folder.
     base_dir: str | None = None
@@ -401,6 +415,9 @@ class JobSpec(_Strict):
     data: DataSpec | None = None
     dataset_fn: str | None = Field(default=None, pattern=FUNCTION_REF)
     train_fn: str | None = Field(default=None, pattern=FUNCTION_REF)
+    # Free-form settings for the job's own code (a train_fn's hyperparameters, as Ray Train's
+    # train_loop_config): ctx.config in the train_fn; a sweep's space may set config.<key> like any key.
+    config: dict[str, Any] = Field(default_factory=dict)
     loss: Union[str, LossSpec] = Field(default="sparse_categorical_crossentropy", validate_default=True)
     optimizer: OptimizerSpec = OptimizerSpec()
     metrics: list[str] = Field(default_factory=list)
@@ -701,12 +718,29 @@ def check_job_code(job: Job) -> None:
     for key in FUNCTION_KEYS:
         ref = function_ref(job.spec, key)
         if ref is not None:
-            resolve_function(ref, job.job_dir, key)
+            func = resolve_function(ref, job.job_dir, key)
+            if key == "train_fn":
+                _check_takes_ctx(ref, func)
     _check_keras_names(job.spec)
     if job.spec.model is not None:
-        from raytf.model_check import check_model_builds
+        from raytf.model_check import model_output_shape
 
-        check_model_builds(job, resolve_function(job.spec.model, job.job_dir, "model"))
+        output = model_output_shape(job.spec, job.job_dir, resolve_function(job.spec.model, job.job_dir, "model"))
+        if output is not None:
+            check_labels(job.spec, job.datasets, output)
+
+
+def _check_takes_ctx(ref: str, func) -> None:
+    """raytf calls a train_fn with one argument, the ctx."""
+    import inspect
+
+    try:
+        inspect.signature(func).bind(object())
+    except TypeError:
+        raise SpecError(f"train_fn: {ref} takes {inspect.signature(func)}, but raytf calls it with one argument, the "
+                        f"ctx: def {ref.partition(':')[2]}(ctx)") from None
+    except ValueError:  # no signature to read (a builtin): left to the call
+        pass
 
 
 LEGACY_INSTALL = "pip install 'raytf[legacy]'"  # tf-keras==2.21.*
@@ -758,18 +792,27 @@ def module_source(module_name: str, job_dir: Path) -> str | None:
 
 
 def fit_calls(source: str, func_name: str) -> list[int]:
-    """The lines where function `func_name` of `source` calls `<something>.fit(...)`."""
+    """The lines where function `func_name` of `source`, or a function of the same module it calls (a
+    `train(ctx)` wrapping Ray Train's `train_func(config)`), calls `<something>.fit(...)`."""
     import ast
 
     try:
         tree = ast.parse(source)
     except SyntaxError:
         return []  # the import reports it
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == func_name:
-            return sorted(call.lineno for call in ast.walk(node) if isinstance(call, ast.Call)
-                          and isinstance(call.func, ast.Attribute) and call.func.attr == "fit")
-    return []
+    functions = {node.name: node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    lines, seen, todo = set(), set(), [func_name]
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in functions:
+            continue
+        seen.add(name)
+        for call in ast.walk(functions[name]):
+            if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "fit":
+                lines.add(call.lineno)
+            elif isinstance(call, ast.Call) and isinstance(call.func, ast.Name):
+                todo.append(call.func.id)
+    return sorted(lines)
 
 
 def job_folder(spec: JobSpec, start: Path, source: str = "job spec") -> Path:

@@ -20,6 +20,7 @@ import os
 import shlex
 import sys
 import time
+import urllib.parse
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence, TextIO
@@ -112,6 +113,10 @@ def resolve_address(address: str | None) -> str:
     if scheme not in ("http", "https"):
         raise ClusterUnreachable(f"--address {chosen!r}: raytf submit talks to the Ray Jobs API over HTTP; "
                                  f"use the dashboard URL, e.g. http://127.0.0.1:8265 (after `ray dashboard cluster.yaml`)")
+    host = urllib.parse.urlsplit(chosen).hostname
+    if not host or any(c.isspace() for c in chosen):
+        raise SpecError(f"--address {chosen!r} is not a URL; give the Jobs API as http://HOST:PORT, e.g. "
+                        f"http://127.0.0.1:8265")
     return chosen.rstrip("/")
 
 

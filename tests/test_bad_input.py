@@ -260,3 +260,93 @@ def test_a_world_readable_token_file_is_made_private(monkeypatch, tmp_path):
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
     keep_token_private()
     assert token.stat().st_mode & 0o777 == 0o600
+
+
+# ---------------------------------------------------------------- more answers to bad input (found by probing)
+
+@pytest.mark.parametrize("change,says", [
+    ({"name": "a" * 5000}, "name: string should have at most 100 characters"),
+    ({"output": {"dir": ""}}, "output.dir: string should have at least 1 character"),
+    ({"train": {"global_batch_size": 10 ** 30}}, "train.global_batch_size: input should be less than or equal"),
+    ({"cluster": {"workers": True}}, "workers: True is yes/no, not a number"),
+    ({"optimizer": {"learning_rate": True}}, "learning_rate: True is yes/no, not a number"),
+])
+def test_values_that_only_look_right_are_refused(change, says):
+    with pytest.raises(SpecError) as raised:
+        parse(base_spec(**change))
+    assert says in str(raised.value) and len(str(raised.value)) < 600, str(raised.value)
+
+
+@pytest.mark.parametrize("given,says", [(".", "is the job folder"), ("data", "overlaps data.train")])
+def test_a_checkpoint_dir_among_the_jobs_code_or_data_is_refused(tmp_path, given, says):
+    from raytf.driver import output
+    from raytf.spec import Job
+
+    (tmp_path / "data").mkdir()
+    job = Job(spec=parse(base_spec(checkpoint={"dir": given}, data={"train": "data"})), job_dir=tmp_path)
+    with pytest.raises(SpecError, match=f"checkpoint.dir .*{says}"):
+        output.check_checkpoint_dir(job)
+
+
+def test_resume_says_when_there_is_nothing_to_resume_and_needs_a_checkpoint_dir(tmp_path):
+    from raytf.checkpoint import resume_note
+
+    with pytest.raises(SpecError, match="--resume: the job has no checkpoint.dir"):
+        resume_note(None)
+    assert "holds no checkpoint yet; training starts from scratch" in resume_note(str(tmp_path / "empty"))
+
+
+def test_a_train_fn_that_takes_no_ctx_is_refused_before_anything_starts(job_dir):
+    from raytf.spec import load
+    from tests.conftest import write_job
+
+    (job_dir / "noctx.py").write_text("def train():\n    pass\n")
+    raw = base_spec(model=None, train_fn="noctx:train")
+    for key in ("loss", "optimizer", "metrics"):
+        raw.pop(key)
+    path = write_job(job_dir, raw)
+    with pytest.raises(SpecError, match=r"train_fn: noctx:train takes \(\), but raytf calls it with one argument"):
+        load(path)
+
+
+def test_a_submit_address_that_is_no_url_is_refused_without_a_lookup():
+    from raytf.submit import resolve_address
+
+    with pytest.raises(SpecError, match="--address 'http://not a url' is not a URL"):
+        resolve_address("not a url")
+
+
+def test_synth_criteo_refuses_a_row_count_below_one(tmp_path):
+    from click.testing import CliRunner
+
+    from raytf.cli import main
+
+    result = CliRunner().invoke(main, ["data", "synth-criteo", str(tmp_path / "out"), "--rows", "-5"])
+    assert result.exit_code == 2 and "x>=1" in result.output and not (tmp_path / "out").exists()
+
+
+def test_a_keras_structure_error_keeps_its_cause_not_the_argument_bullets():
+    from raytf.actor.raised import summary
+
+    message = ("in user code:\n\n    File \"/job/train.py\", line 3, in step\n\nValueError: The structure of `inputs` "
+               "doesn't match the expected structure.\nExpected: ['pixels']\nReceived: inputs={'pixels', 'label'}\n\n"
+               "Arguments received by Functional.call():\n  • inputs={'pixels': 'tf.Tensor'}\n  • training=True\n"
+               "  • kwargs=<class 'inspect._empty'>")
+    assert "kwargs" not in summary(message) and "structure" in summary(message), summary(message)
+
+
+def test_a_model_whose_weights_went_nan_is_not_exported_as_a_success():
+    import keras
+    import numpy as np
+
+    from raytf.actor.loop import check_weights
+    from raytf.errors import NonFiniteWeights
+
+    model = keras.Sequential([keras.Input(shape=(3,)), keras.layers.Dense(2, name="dense_nan")])
+    check_weights(parse(base_spec()), model, 2, 44, 0)  # finite: nothing to say
+    kernel, bias = model.get_weights()
+    kernel[0, 0] = np.nan
+    model.set_weights([kernel, bias])
+    with pytest.raises(NonFiniteWeights, match=r"hold NaN or inf after epoch 2, step 44 \(rank 0; \S*dense_nan/kernel\)"):
+        check_weights(parse(base_spec()), model, 2, 44, 0)
+    check_weights(parse(base_spec(train={"nonfinite_loss": "continue"})), model, 2, 44, 0)

@@ -155,8 +155,8 @@ def test_one_failing_worker_fails_the_job_fast_with_its_rank_and_cause(cluster, 
     with pytest.raises(TrainingFailed) as info:
         raytf.fit(path)
     message = str(info.value)
-    assert message.startswith("training failed: rank(s) 1: ValueError: boom on rank 1"), message
-    assert info.value.causes["ValueError: boom on rank 1"] == [1]
+    assert message.startswith("training failed: rank(s) 1: failing.py:7: ValueError: boom on rank 1"), message
+    assert info.value.causes["failing.py:7: ValueError: boom on rank 1"] == [1]
     assert time.time() - started < 120  # rank 0, left waiting in a collective, was torn down
     saved = json.loads((job_dir / "runs" / "t" / "result.json").read_text())
     assert saved["status"] == "failed" and "boom on rank 1" in saved["error"]

@@ -447,3 +447,28 @@ def test_the_driver_side_imports_neither_ray_nor_tensorflow():
     """)
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+
+
+def test_a_train_fn_that_reported_nothing_and_saved_no_model_is_told_how(tmp_path):
+    import io
+
+    from raytf.driver.report import ProgressDisplay
+
+    shown = io.StringIO()
+    job = make_job(tmp_path, model=None, train_fn="tmodel:train")
+    clock = FakeClock()
+    world = FakeResources(clock, lambda attempt, task: Script(outcome={"history": []}))
+    c = Controller(job, world, env={}, clock=clock, display=ProgressDisplay(stream=shown))
+    assert run_fast(c).status == "succeeded"
+    said = shown.getvalue()
+    assert "the train_fn reported no epoch: call ctx.report(metrics)" in said, said
+    assert "the train_fn saved no model: call ctx.save_model(model)" in said
+
+
+def test_a_free_form_config_section_reaches_the_train_fns_ctx():
+    from raytf.actor.context import TaskContext
+
+    spec = parse(base_spec(model=None, train_fn="tmodel:train", config={"lr": 0.1, "layers": [64, 32]}))
+    ctx = TaskContext(0, 2, spec, "/nonexistent")
+    assert ctx.config == {"lr": 0.1, "layers": [64, 32]}
+    assert parse(base_spec()).config == {}

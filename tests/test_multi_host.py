@@ -75,8 +75,13 @@ def test_submit_from_outside_runs_a_parameter_server_job_across_the_hosts(hosts,
     spec["cluster"] = {**spec["cluster"], "workers": 2, "ps": 1, "cpus_per_worker": 0.5, "cpus_per_ps": 0.25,
                        "cpus_per_chief": 0.25, "placement": "spread", "reserve_timeout_s": 30}
     (job_folder / "ps-hosts.yaml").write_text(yaml.safe_dump(spec))
-    out = subprocess.run([str(BIN / "raytf"), "submit", str(job_folder / "ps-hosts.yaml"), "--address",
-                          hosts.jobs_address], env=hosts.env(), capture_output=True, text=True, timeout=360)
+    submit = [str(BIN / "raytf"), "submit", str(job_folder / "ps-hosts.yaml"), "--address", hosts.jobs_address]
+    # the head is another host, reached over plain http: the token is withheld unless the user opts in
+    refused = subprocess.run(submit, env=hosts.env(), capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 5 and "raytf does not send your token over plain http" in refused.stderr, (
+        refused.stderr[-2000:])
+    out = subprocess.run(submit + ["--allow-http-token"], env=hosts.env(), capture_output=True, text=True,
+                         timeout=360)
     assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-2000:])
     result = json.loads((job_folder / "ps-out" / "result.json").read_text())
     assert result["status"] == "succeeded"

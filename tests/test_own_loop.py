@@ -54,7 +54,7 @@ def custom_run(cluster, jobs_copy):
 # ---------------------------------------------------------------- before anything starts (no cluster)
 
 @pytest.mark.timeout(30)
-def test_fit_calls_are_found_in_the_train_fn_only():
+def test_fit_calls_are_found_in_the_train_fn_and_the_functions_it_calls():
     source = textwrap.dedent('''
         def helper(model):
             model.fit(x)
@@ -63,9 +63,16 @@ def test_fit_calls_are_found_in_the_train_fn_only():
             model = build()
             history = model.fit(ds, epochs=3)
             return history
+
+        def train_func(config):  # Ray Train's shape, wrapped
+            model.fit(ds)
+
+        def wrapper(ctx):
+            return train_func({"lr": 0.1})
     ''')
     assert fit_calls(source, "train") == [7]
     assert fit_calls(source, "helper") == [3]
+    assert fit_calls(source, "wrapper") == [11]
     assert fit_calls(source, "missing") == []
 
 

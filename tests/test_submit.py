@@ -168,7 +168,7 @@ def test_a_failing_job_makes_submit_exit_1_with_the_cause(head, job_dir):
     job_id = submission_id(proc)
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"raytf: job {job_id} FAILED (exit code 1): training failed: rank(s) 1: "
-                           f"ValueError: boom on rank 1"), last
+                           f"failing.py:7: ValueError: boom on rank 1"), last
     status = cli(head, "status", job_id, "--address", head.address, timeout=60)
     assert "boom on rank 1" in status.stdout
     wait_for_actors(head, "gone", 30)

@@ -16,7 +16,7 @@ from tests.conftest import base_spec
 pytestmark = pytest.mark.timeout(60)
 
 
-def test_the_users_line_is_the_deepest_frame_in_a_job_file(tmp_path):
+def test_the_users_line_is_the_deepest_frame_in_a_job_file(tmp_path, monkeypatch):
     job = str(tmp_path / "job")
     frames = [("/usr/lib/python3.11/runpy.py", 10), (f"{job}/train.py", 40), (f"{job}/lib/model.py", 7),
               ("/site-packages/keras/src/layers/core.py", 300), ("/tmp/__autograph_generated_filex.py", 3)]
@@ -27,6 +27,9 @@ def test_the_users_line_is_the_deepest_frame_in_a_job_file(tmp_path):
     assert raised.user_line(frames[3:], message, [job]) == "train.py:12"
     assert raised.user_line(frames[3:], "no file named", [job]) is None
     assert raised.user_line([(f"{job}x/other.py", 3)], "", [job]) is None  # a sibling folder is not the job's
+    os.makedirs(job, exist_ok=True)
+    monkeypatch.chdir(job)  # as the driver builds the model: "<frozen os>" is no file of the job folder
+    assert raised.user_line([(f"{job}/model.py", 5), ("<frozen os>", 679)], "", [job]) == "model.py:5"
 
 
 def test_a_captured_exception_keeps_type_message_line_and_traceback_across_pickling(tmp_path):

@@ -343,7 +343,8 @@ def test_two_jobs_in_one_process_each_get_their_own_module_of_the_same_name(tmp_
     for name, function in (("a", "build_a"), ("b", "build_b")):
         folder = tmp_path / name
         folder.mkdir()
-        (folder / "model.py").write_text(f"def {function}():\n    return None\n")
+        (folder / "model.py").write_text(f"import keras\n\ndef {function}():\n    return keras.Sequential("
+                                         f"[keras.Input((1,)), keras.layers.Dense(1)])\n")
         (folder / "job.yaml").write_text(yaml.safe_dump({
             "name": name, "model": f"model:{function}", "dataset_fn": f"model:{function}",
             "train": {"steps_per_epoch": 1}, "loss": "mse"}))

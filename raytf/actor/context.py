@@ -72,6 +72,7 @@ class TaskContext:
     def __init__(self, rank: int, world_size: int, spec: JobSpec, staging_dir: str,
                  payload: WorkerPayload | None = None, report_interval_s: float = 0.5):
         self.rank, self.world_size, self.spec = rank, world_size, spec
+        self.config = dict(spec.config)  # the job's free-form config: section (Ray Train's train_loop_config)
         self.is_chief = rank == 0
         self.global_batch_size = spec.train.global_batch_size
         self.staging_dir = staging_dir

@@ -23,7 +23,7 @@ from raytf.actor import schedules
 from raytf.actor import steps as steps_lib
 from raytf.actor.context import TaskContext, WorkerPayload, check_loss
 from raytf.checkpoint import META, CheckpointInfo, Storage
-from raytf.errors import CheckpointCorrupt, CheckpointMismatch
+from raytf.errors import CheckpointCorrupt, CheckpointMismatch, NonFiniteWeights
 
 
 class Runner(Protocol):
@@ -112,10 +112,26 @@ def run(runner: Runner, payload: WorkerPayload, ctx: TaskContext) -> dict[str, A
                 last and runner.final_checkpoint_needed()):
             checkpoints.save(global_step, epoch + 1, 0, history)
     trace.close()
+    check_weights(spec, getattr(runner, "model", None), spec.train.epochs, global_step if history else 0, ctx.rank)
     outcome = runner.finish()
     outcome.update(history=history, steps=global_step, steps_run=global_step - position.global_step,
                    timing=runner.timing())
     return outcome
+
+
+def check_weights(spec, model, epoch: int, step: int, rank: int) -> None:
+    """Before the model is exported: weights that hold NaN or inf end the job (train.nonfinite_loss: stop),
+    as a NaN loss does; NaN features can spoil weights while the reported loss stays finite."""
+    if spec.train.nonfinite_loss != "stop" or model is None:
+        return
+    try:
+        weights = model.get_weights()
+    except Exception:  # a model TensorFlow cannot read back here: the loss check stands alone
+        return
+    bad = [i for i, w in enumerate(weights) if np.issubdtype(w.dtype, np.floating) and not np.isfinite(w).all()]
+    if bad:
+        name = model.weights[bad[0]].path if bad[0] < len(model.weights) else f"weight {bad[0]}"
+        raise NonFiniteWeights(name, len(bad), epoch, step, rank)
 
 
 def stopped(runner: Runner, checkpoints: "Checkpoints", ctx: TaskContext, global_step: int, epoch: int, step: int,

@@ -12,11 +12,13 @@ is tf-keras (Keras 2), whose `model.fit` works under MultiWorkerMirrored; Keras 
 """
 from __future__ import annotations
 
+import random
 import shutil
 import tempfile
 import time
 from typing import Any, Callable
 
+import numpy as np
 import tensorflow as tf
 
 from raytf.actor import loop
@@ -42,6 +44,11 @@ def run(strategy: tf.distribute.Strategy, payload: WorkerPayload, ctx: TaskConte
     # (Keras 2) keeps BatchNormalization's statistics in sync itself.
     if spec.strategy == "mirrored" and spec.train.keras != "legacy":
         ctx.state_sync = lambda model: steps_lib.make_state_sync(strategy, model)()
+    # train.seed: Python's, NumPy's and TensorFlow's generators, as raytf's loop seeds its own (the same on
+    # every worker, so initial weights agree), so a train_fn repeats too
+    random.seed(spec.train.seed)
+    np.random.seed(spec.train.seed)
+    tf.random.set_seed(spec.train.seed)
     try:
         payload.function("train_fn")(ctx)
         ctx.own_loop.finish()

@@ -24,6 +24,8 @@ def user_line(frames: list[tuple[str, int]], message: str, job_roots: list[str])
     roots = [os.path.realpath(r) for r in job_roots if r]
 
     def inside(path: str) -> str | None:
+        if not os.path.isabs(path):  # "<frozen os>", "<string>": no file (and not relative to the cwd)
+            return None
         real = os.path.realpath(path)
         for root in roots:
             if real.startswith(root + os.sep):
@@ -55,16 +57,21 @@ def capture(exc: BaseException, job_roots: list[str]) -> BaseException:
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Keras 3 sets the key sentence of its errors in bold
+_RAISED = re.compile(r"^\w+(Error|Exception): ")
 _TF_PREAMBLE = ("Graph execution error", "in user code:", "Detected at node", "File ", "[[", "(most recent call last)")
 
 
-def summary(message: str, limit: int = 300) -> str:
+def summary(message: str, limit: int = 500) -> str:
     """One line of an error message that names the cause: the first line, except where TensorFlow
     opens with "Graph execution error:" and a traceback, whose cause is the last plain line (before
     op lines such as `[[IteratorGetNext]]`)."""
     # A remote TF error carries the gRPC details after the cause; they are not it.
     message = _ANSI.sub("", message.split("\nAdditional GRPC error information")[0])
     lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    for i, line in enumerate(lines):  # Keras's "Arguments received by Dense.call():" and its bullets
+        if line.startswith("Arguments received by"):
+            lines = lines[:i]
+            break
     if not lines:
         return ""
     # Keras 3 layer errors: "Exception encountered when calling Dense.call().", then the sentence that says
@@ -74,5 +81,6 @@ def summary(message: str, limit: int = 300) -> str:
             return f"{line} {lines[i + 1]}"[:limit]
     if lines[0].startswith(_TF_PREAMBLE):
         plain = [line for line in lines if not line.startswith(_TF_PREAMBLE) and not line.endswith(":")]
-        return (plain[-1] if plain else lines[-1])[:limit]
+        raised = [line for line in plain if _RAISED.match(line)]  # "ValueError: ...", where TF kept one
+        return (raised[-1] if raised else plain[-1] if plain else lines[-1])[:limit]
     return lines[0][:limit]

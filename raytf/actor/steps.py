@@ -51,9 +51,11 @@ def build_loss(spec: JobSpec) -> Callable:
         fn = functools.partial(fn, from_logits=spec.loss.from_logits)
     label = spec.data.label if spec.data is not None else None
 
+    check = tf.autograph.experimental.do_not_convert(check_label_shape)  # plain Python while tracing
+
     def loss(y, pred):
         if isinstance(y, tf.Tensor) and isinstance(pred, tf.Tensor) and y.shape.rank and pred.shape.rank:
-            check_label_shape(spec.loss.name, label, tuple(y.shape[1:]), tuple(pred.shape[1:]))
+            check(spec.loss.name, label, tuple(y.shape[1:]), tuple(pred.shape[1:]))
         return fn(y, pred)
 
     return loss

@@ -611,6 +611,8 @@ class Controller:
         result.tensorboard_dir = str(tb) if tb.exists() else None
         self._write()
         self.display.message(summary_table(result.history))
+        for hint in _train_fn_hints(spec, result):
+            self.display.message(hint)
         if any(t.get("timed_steps") for t in result.tasks):
             self.display.message(worker_lines(result.tasks))
         for slow in result.stragglers:
@@ -707,6 +709,19 @@ def run(job: Job, group_cls: Callable[..., WorkerGroup] | None = None,
     controller = Controller(job, resources, env=env, limits=limits, clock=clock, display=display, resume=resume,
                             on_epoch=on_epoch, placement_group=placement_group)
     return controller.run()
+
+
+def _train_fn_hints(spec, result: Result) -> list[str]:
+    """What a train_fn that ran to its end did not hand raytf, and how it would."""
+    if spec.train_fn is None:
+        return []
+    hints = []
+    if not result.history:
+        hints.append("raytf: the train_fn reported no epoch: call ctx.report(metrics) once per epoch (with Keras: "
+                     "callbacks=[LambdaCallback(on_epoch_end=lambda epoch, logs: ctx.report(logs))])")
+    if not result.exports and spec.output.export:
+        hints.append("raytf: the train_fn saved no model: call ctx.save_model(model) on every worker at the end")
+    return hints
 
 
 def _merge_evaluations(history: list[dict[str, Any]], evaluations: list[dict[str, Any]]) -> None:

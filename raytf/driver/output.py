@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 from typing import Iterator
 
-from raytf.errors import SpecError
+from raytf.errors import SpecError, clip
 from raytf.spec import Job
 
 LOCK = ".raytf-lock"
@@ -29,7 +29,11 @@ def check(job: Job) -> Path:
     the problem otherwise. Returns it."""
     out = job.output_dir
     where = f"output.dir {out}"
-    if out.exists() and not out.is_dir():
+    try:
+        exists_as_file = out.exists() and not out.is_dir()
+    except OSError as exc:  # e.g. a name too long for the file system
+        raise SpecError(f"{clip(where, 200)} cannot be used ({exc.strerror}); give a shorter or other path") from None
+    if exists_as_file:
         raise SpecError(f"{where} is a file, not a folder; give a folder (default: runs/<name> in the job folder)")
     job_dir = Path(job.job_dir).resolve()
     resolved = out.resolve()
@@ -55,11 +59,33 @@ def check(job: Job) -> Path:
     return resolved
 
 
+def check_checkpoint_dir(job: Job) -> None:
+    """A local checkpoint.dir is not the job folder or above it, and not overlapping the data."""
+    if job.checkpoint_dir is None or "://" in job.checkpoint_dir:
+        return
+    where, resolved = f"checkpoint.dir {job.checkpoint_dir}", Path(job.checkpoint_dir).resolve()
+    job_dir = Path(job.job_dir).resolve()
+    if resolved == job_dir or resolved in job_dir.parents:
+        raise SpecError(f"{where} is the job folder{'' if resolved == job_dir else ' or holds it'}: checkpoints would "
+                        f"land among the job's code; use a folder of their own, e.g. ../runs/<name>/checkpoints")
+    for key, data in _data_paths(job):
+        if data == resolved or resolved in data.parents or data in resolved.parents:
+            raise SpecError(f"{where} overlaps data.{key} ({data}); give checkpoint.dir a folder of its own")
+
+
+def _data_paths(job: Job) -> list[tuple[str, Path]]:
+    if job.spec.data is None:
+        return []
+    paths = [(key, getattr(job.spec.data, key)) for key in ("train", "validation")]
+    return [(key, Path(job.data_path(p)).resolve()) for key, p in paths if p is not None and "://" not in p]
+
+
 @contextlib.contextmanager
 def claim(job: Job) -> Iterator[Path]:
     """Hold output.dir for this run: check it, lock it (a second run into it is a SpecError naming the first),
     and move an earlier run's results aside to earlier-runs/<when>/. The lock goes with the process."""
     out = check(job)
+    check_checkpoint_dir(job)
     handle = open(out / LOCK, "a+")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -124,6 +124,12 @@ def excludes_for(job: Job) -> list[str]:
     if inside is not None and inside.parts:
         excludes.append(_pattern(inside.as_posix()))
         skip.append(inside.as_posix())
+    if job.checkpoint_dir is not None and "://" not in job.checkpoint_dir:  # checkpoints never travel either
+        try:
+            excludes.append(_pattern(Path(job.checkpoint_dir).resolve().relative_to(Path(job.job_dir).resolve())
+                                     .as_posix()))
+        except ValueError:  # outside the job folder
+            pass
     excludes += [_pattern(rel) for rel in earlier_outputs(job.job_dir, tuple(skip))]
     return excludes
 
