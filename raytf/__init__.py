@@ -48,13 +48,12 @@ def fit(spec_or_path: "str | Mapping[str, Any] | JobSpec | Job", overrides: Mapp
     from raytf.driver import controller, output  # Ray: only once the spec is known to be good
     from raytf.driver.session import ray_session
 
-    if resume:
-        from raytf.checkpoint import resume_note
+    from raytf.checkpoint import resume_note
 
-        note = resume_note(job.checkpoint_dir)  # a SpecError without checkpoint.dir, before Ray starts
-        if note:
-            display.message(note)
-    with output.claim(job), ray_session(address, verbose) as logs_hint:
+    note = resume_note(job.checkpoint_dir, resume)  # --resume and checkpoint.dir agree, before anything starts
+    if note:
+        display.message(note)
+    with output.claim(job, resume), ray_session(address, verbose) as logs_hint:
         if logs_hint:
             display.message(logs_hint)
         return controller.run(job, display=display, resume=resume, verbose=verbose)

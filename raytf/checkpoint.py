@@ -32,11 +32,19 @@ class CheckpointInfo:
     world_size: int = 0
 
 
-def resume_note(checkpoint_dir: str | None) -> str | None:
-    """--resume: a SpecError without a checkpoint.dir; a line to show when it holds no checkpoint yet."""
+def resume_note(checkpoint_dir: str | None, resume: bool = True) -> str | None:
+    """Before anything starts: --resume needs a checkpoint.dir (SpecError), and says when it holds nothing yet
+    (the line returned); without --resume, a checkpoint.dir that holds checkpoints is a SpecError, so none is
+    trained over by accident."""
     if checkpoint_dir is None:
-        raise SpecError("--resume: the job has no checkpoint.dir to resume from; set checkpoint.dir")
-    if Storage(checkpoint_dir).latest() is None:
+        if resume:
+            raise SpecError("--resume: the job has no checkpoint.dir to resume from; set checkpoint.dir")
+        return None
+    latest = Storage(checkpoint_dir).latest()
+    if latest is not None and not resume:
+        raise SpecError(f"checkpoint.dir {checkpoint_dir} already holds checkpoints (latest at step {latest.step}); "
+                        f"pass --resume to continue from it, or choose another checkpoint.dir")
+    if latest is None and resume:
         return f"raytf: --resume: checkpoint.dir {checkpoint_dir} holds no checkpoint yet; training starts from scratch"
     return None
 

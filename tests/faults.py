@@ -107,6 +107,7 @@ class AtSteps:
     def __init__(self, actions, attempts: set[int] | None = frozenset({1}), watch: int = 0):
         self.actions, self.attempts, self.watch = list(actions), attempts, watch
         self.done: list[tuple[int, int, float]] = []  # (at_step, the step seen when it ran, time)
+        self.errors: list[str] = []  # what an action raised
         self.attempt = 0
         trigger = self
 
@@ -127,11 +128,16 @@ class AtSteps:
         while pending and time.time() < deadline:
             try:
                 step = ray.get(watched.progress.remote(), timeout=5).get("global_step", 0)
+            except ray.exceptions.GetTimeoutError:  # a busy machine: ask again, the action must not be lost
+                continue
             except Exception:
                 return  # the attempt ended some other way
             while pending and step >= pending[0][0]:
                 at_step, action = pending.pop(0)
-                action(group)
+                try:
+                    action(group)
+                except Exception as exc:  # a thread's exception would vanish: the test reads it here
+                    self.errors.append(f"{type(exc).__name__}: {exc}")
                 self.done.append((at_step, step, time.time()))
             time.sleep(0.02)
 

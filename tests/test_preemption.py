@@ -135,6 +135,7 @@ def test_a_drain_without_a_deadline_restarts_on_fewer_workers_keeping_the_batch(
     spec = spot_spec(job_dir, cluster={"reserve_timeout_s": 5}, failure={"elastic": {"min_workers": 1}})
     result = run(load(write_job(job_dir, spec)), group_cls=trigger.group_cls)
 
+    assert len(result.restarts) == 1, (trigger.done, trigger.errors, drained, result.restarts, result.wall_s)
     restart, = result.restarts
     assert restart["kind"] == "preempted" and restart["deadline"] is None and restart["node_id"] == drained[0]
     assert restart["step_saved"] == restart["resumed_from_step"] > 60 and restart["steps_lost"] == 0

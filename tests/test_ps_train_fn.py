@@ -1,7 +1,7 @@
 """Parameter servers run the user's code: a train_fn on the chief (ctx.strategy the ParameterServerStrategy,
 ctx.coordinator its ClusterCoordinator) in the style of TensorFlow's parameter-server tutorial, with
-checkpoints, the job's data and a fixed-length list<string> feature; TensorFlow's tutorial itself under
-tf.keras (train.keras: legacy), its model.fit included; and a dataset_fn under raytf's loop."""
+checkpoints, the job's data and a fixed-length list<string> feature; a tf.keras script shaped like that
+tutorial under train.keras: legacy, its model.fit included; and a dataset_fn under raytf's loop."""
 import random
 import textwrap
 
@@ -98,134 +98,82 @@ KERAS3_LOOP = textwrap.dedent('''
         ctx.save_model(model)
 ''')
 
-# TensorFlow's parameter-server tutorial (tensorflow/docs, site/en/tutorials/distribute/
-# parameter_server_training.ipynb), custom training loop section as written, tf.keras (Keras 2), then its
-# Model.fit path on the same model. Changed: where the strategy comes from (ctx, not a cluster resolver)
-# and the data (ctx.dataset, not from_tensor_slices of generated examples; its label is already an id).
-# Added: ctx.report lines, so result.json has what it printed.
+# A tf.keras (Keras 2) script shaped like TensorFlow's parameter-server tutorial (written here, not copied):
+# string lookup layers built on the chief, an embedding split over both ps tasks, a step function of
+# strategy.run + strategy.reduce scheduled through ClusterCoordinator with per-worker iterators and a join at
+# each epoch's end, then Model.fit over a DatasetCreator on the same model. What a user of that tutorial
+# changes is marked "raytf:": the strategy and the per-worker data come from ctx, epochs are reported.
 TUTORIAL = textwrap.dedent('''
     import tensorflow as tf
 
-    feature_vocab = [
-        "avenger", "ironman", "batman", "hulk", "spiderman", "kingkong", "wonder_woman"
-    ]
-    label_vocab = ["yes", "no"]
+    WORDS = ["avenger", "ironman", "batman", "hulk", "spiderman", "kingkong", "wonder_woman"]
+    EPOCHS, STEPS = 4, 5
+
 
     def train(ctx):
-        strategy = ctx.strategy  # changed: was ParameterServerStrategy(cluster_resolver, variable_partitioner=...)
+        strategy = ctx.strategy  # raytf: instead of building ParameterServerStrategy from a cluster resolver
 
         with strategy.scope():
-          feature_lookup_layer = tf.keras.layers.StringLookup(
-              vocabulary=feature_vocab,
-              mask_token=None)
-          label_lookup_layer = tf.keras.layers.StringLookup(
-              vocabulary=label_vocab,
-              num_oov_indices=0,
-              mask_token=None)
+            to_ids = tf.keras.layers.StringLookup(vocabulary=WORDS, mask_token=None)
+            words_in = tf.keras.layers.Input(shape=(3,), dtype=tf.string, name="features")
+            preprocess = tf.keras.Model({"features": words_in}, to_ids(words_in))
 
-          raw_feature_input = tf.keras.layers.Input(
-              shape=(3,),
-              dtype=tf.string,
-              name="feature")
-          feature_id_input = feature_lookup_layer(raw_feature_input)
-          feature_preprocess_stage = tf.keras.Model(
-              {"features": raw_feature_input},
-              feature_id_input)
+        def worker_data(_):
+            return ctx.dataset("train").map(  # raytf: this worker's shard, batched, shuffled, endless
+                lambda x, y: ({"features": preprocess(x)}, tf.reshape(y, (-1, 1))))
 
-          raw_label_input = tf.keras.layers.Input(
-              shape=(1,),
-              dtype=tf.string,
-              name="label")
-          label_id_input = label_lookup_layer(raw_label_input)
+        with strategy.scope():  # variables go to the ps tasks, the large one split over both
+            ids_in = tf.keras.layers.Input(shape=(3,), dtype=tf.int64, name="model_input")
+            embedding = tf.keras.layers.Embedding(input_dim=len(to_ids.get_vocabulary()), output_dim=16384)
+            scores = tf.keras.layers.Dense(1, activation="sigmoid")(tf.reduce_mean(embedding(ids_in), axis=1))
+            model = tf.keras.Model({"features": ids_in}, scores)
+            optimizer = tf.keras.optimizers.RMSprop(learning_rate=0.1)
+            hits = tf.keras.metrics.Accuracy()
 
-          label_preprocess_stage = tf.keras.Model(
-              {"label": raw_label_input},
-              label_id_input)
-
-        def dataset_fn(_):
-          raw_dataset = ctx.dataset("train")  # changed: this worker's shard, shuffled, batched, endless
-
-          train_dataset = raw_dataset.map(
-              lambda x, y: (  # changed: (features, label id) batches
-                  {"features": feature_preprocess_stage(x)},
-                  tf.reshape(y, (-1, 1))
-              ))
-          return train_dataset
-
-        # These variables created under the `Strategy.scope` will be placed on parameter
-        # servers in a round-robin fashion.
-        with strategy.scope():
-          # Create the model. The input needs to be compatible with Keras processing layers.
-          model_input = tf.keras.layers.Input(
-              shape=(3,), dtype=tf.int64, name="model_input")
-
-          emb_layer = tf.keras.layers.Embedding(
-              input_dim=len(feature_lookup_layer.get_vocabulary()), output_dim=16384)
-          emb_output = tf.reduce_mean(emb_layer(model_input), axis=1)
-          dense_output = tf.keras.layers.Dense(units=1, activation="sigmoid")(emb_output)
-          model = tf.keras.Model({"features": model_input}, dense_output)
-
-          optimizer = tf.keras.optimizers.RMSprop(learning_rate=0.1)
-          accuracy = tf.keras.metrics.Accuracy()
-
-        assert len(emb_layer.weights) == 2
-        assert emb_layer.weights[0].shape == (4, 16384)
-        assert emb_layer.weights[1].shape == (4, 16384)
-        assert emb_layer.weights[0].device == "/job:ps/replica:0/task:0/device:CPU:0"
-        assert emb_layer.weights[1].device == "/job:ps/replica:0/task:1/device:CPU:0"
+        shards = embedding.weights
+        assert len(shards) == 2 and all(w.shape == (4, 16384) for w in shards)
+        assert sorted(w.device for w in shards) == [f"/job:ps/replica:0/task:{i}/device:CPU:0" for i in range(2)]
 
         @tf.function
-        def step_fn(iterator):
+        def step(iterator):
+            def on_replica(features, labels):
+                with tf.GradientTape() as tape:
+                    predicted = model(features, training=True)
+                    per_row = tf.keras.losses.BinaryCrossentropy(
+                        reduction=tf.keras.losses.Reduction.NONE)(labels, predicted)
+                    loss = tf.nn.compute_average_loss(per_row)
+                optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                              model.trainable_variables))
+                hits.update_state(labels, tf.cast(predicted > 0.5, tf.int64))
+                return loss
 
-          def replica_fn(batch_data, labels):
-            with tf.GradientTape() as tape:
-              pred = model(batch_data, training=True)
-              per_example_loss = tf.keras.losses.BinaryCrossentropy(
-                      reduction=tf.keras.losses.Reduction.NONE)(labels, pred)
-              loss = tf.nn.compute_average_loss(per_example_loss)
-              gradients = tape.gradient(loss, model.trainable_variables)
-
-            optimizer.apply_gradients(zip(gradients, model.trainable_variables))
-
-            actual_pred = tf.cast(tf.greater(pred, 0.5), tf.int64)
-            accuracy.update_state(labels, actual_pred)
-            return loss
-
-          batch_data, labels = next(iterator)
-          losses = strategy.run(replica_fn, args=(batch_data, labels))
-          return strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)
+            features, labels = next(iterator)
+            return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(on_replica, args=(features, labels)),
+                                   axis=None)
 
         coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
 
         @tf.function
-        def per_worker_dataset_fn():
-          return strategy.distribute_datasets_from_function(dataset_fn)
+        def per_worker():
+            return strategy.distribute_datasets_from_function(worker_data)
 
-        per_worker_dataset = coordinator.create_per_worker_dataset(per_worker_dataset_fn)
-        per_worker_iterator = iter(per_worker_dataset)
+        iterator = iter(coordinator.create_per_worker_dataset(per_worker))
+        for epoch in range(EPOCHS):
+            hits.reset_states()
+            for _ in range(STEPS):
+                coordinator.schedule(step, args=(iterator,))
+            coordinator.join()  # every scheduled step has run
+            ctx.report({"accuracy": hits.result().numpy()})  # raytf: the epoch's metrics
+        last = coordinator.schedule(step, args=(iterator,))
+        assert last.fetch() >= 0
 
-        num_epoches = 4
-        steps_per_epoch = 5
-        for i in range(num_epoches):
-          accuracy.reset_states()
-          for _ in range(steps_per_epoch):
-            coordinator.schedule(step_fn, args=(per_worker_iterator,))
-          # Wait at epoch boundaries.
-          coordinator.join()
-          print ("Finished epoch %d, accuracy is %f." % (i, accuracy.result().numpy()))
-          ctx.report({"accuracy": accuracy.result().numpy()})  # added
-
-        loss = coordinator.schedule(step_fn, args=(per_worker_iterator,))
-        print ("Final loss is %f" % loss.fetch())
-
-        # The tutorial's Model.fit path, on this model and data
-        with strategy.scope():
-          model.compile(tf.keras.optimizers.RMSprop(learning_rate=0.1), loss="binary_crossentropy",
-                        metrics=["accuracy"])
-        report = tf.keras.callbacks.LambdaCallback(  # added
+        with strategy.scope():  # the same model through Model.fit, as the tutorial's other path
+            model.compile(tf.keras.optimizers.RMSprop(learning_rate=0.1), loss="binary_crossentropy",
+                          metrics=["accuracy"])
+        report = tf.keras.callbacks.LambdaCallback(  # raytf: fit's epochs into result.json
             on_epoch_end=lambda epoch, logs: ctx.report({f"fit_{k}": v for k, v in logs.items()}))
-        dc = tf.keras.utils.experimental.DatasetCreator(dataset_fn)
-        model.fit(dc, epochs=2, steps_per_epoch=5, callbacks=[report])
+        model.fit(tf.keras.utils.experimental.DatasetCreator(worker_data), epochs=2, steps_per_epoch=STEPS,
+                  callbacks=[report])
 ''')
 
 # raytf's own loop over a dataset_fn: every worker makes the same rows (shuffled its own way), and with
@@ -334,7 +282,7 @@ def test_a_resume_restores_the_step_and_the_weights(first, resumed):
 
 
 @cluster_job(240)
-def test_tensorflows_tutorial_runs_under_tf_keras_loop_and_fit(cluster, ps_job_dir):
+def test_a_tutorial_shaped_tf_keras_script_runs_its_coordinator_loop_and_fit(cluster, ps_job_dir):
     spec = ps_spec(name="tf-tutorial", model=None, train_fn="tftutorial:train", train={"keras": "legacy"},
                    cluster={"ps": 2}, checkpoint={"dir": None}, data={"preprocess": None})
     result = run(load(write_job(ps_job_dir, spec)))

@@ -260,3 +260,18 @@ def test_a_signal_takes_the_ctrl_c_path_and_result_json_keeps_the_epochs(root, s
     assert "*** SIGTERM received" not in said and "Fatal Python error" not in said, said[-3000:]  # no C++ dump
     result = json.loads((root / "runs" / "result.json").read_text())
     assert result["status"] == "interrupted" and len(result["history"]) >= 2, result
+
+
+def test_a_diverging_job_stops_at_the_first_nan_epoch_and_exports_nothing(root):
+    folder = job_folder(root, "diverging", "", [])
+    (folder / "job.yaml").write_text(yaml.safe_dump(base_spec(
+        name="diverging", model="tmodel:build_model", output={"dir": "../runs"},
+        data={"train": "data/train.parquet", "validation": "data/test.parquet", "features": ["pixels"],
+              "label": "label"}, optimizer={"name": "sgd", "learning_rate": 1e12}, train={"epochs": 5})))
+    (folder / "tmodel.py").write_text(MODEL_MODULE)
+    proc = run_cli(["run", "job.yaml"], cwd=folder, timeout=220)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "the loss is nan at epoch 1, step 22 (rank 0)" in proc.stderr or \
+        "the loss is inf at epoch 1, step 22 (rank 0)" in proc.stderr, proc.stderr[-3000:]
+    result = json.loads((root / "runs" / "result.json").read_text())  # strict JSON, or this would not parse
+    assert result["status"] == "failed" and not (root / "runs" / "model.keras").exists()

@@ -137,3 +137,18 @@ def test_a_label_the_models_output_cannot_take_is_a_spec_error_from_the_model_bu
     with pytest.raises(SpecError, match=r"loss: mse needs a label of the model's output shape, but label 'label' "
                                         r"is one number per row and the model outputs a vector of 10 numbers"):
         load(path)
+
+
+def test_verbose_prints_the_failed_tasks_traceback_before_the_one_line(capsys):
+    from raytf.cli import _exit_on_error
+    from raytf.errors import TrainingFailed
+
+    failure = TrainingFailed("training failed: rank(s) 0: train.py:9: ValueError: boom",
+                             traceback='Traceback (most recent call last):\n  File "train.py", line 9\nValueError: boom\n')
+    for verbose in (False, True):
+        with pytest.raises(SystemExit) as exited, _exit_on_error(verbose=verbose):
+            raise failure
+        err = capsys.readouterr().err
+        assert exited.value.code == 1 and err.endswith("raytf: error: training failed: rank(s) 0: train.py:9: "
+                                                        "ValueError: boom\n")
+        assert ('File "train.py", line 9' in err) is verbose

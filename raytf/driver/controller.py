@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from raytf import backends
 from raytf.actor.context import WorkerPayload
-from raytf.checkpoint import Storage
+from raytf.checkpoint import Storage, resume_note
 from raytf.driver import failure as failure_lib
 from raytf.driver.failure import Failure
 from raytf.driver.group import Finished, Resources, TaskError, WorkerGroup
@@ -453,7 +453,8 @@ class Controller:
                               {**notice.details(self.clock.now(), None), "cause": failure.message})
             nodes = [notice.node_ip]
         failure.details.setdefault("last_step", a.last_step if a is not None else 0)
-        self._last_epochs()
+        if failure.kind in ("error", "checkpoint", "io"):  # the tasks answer: an exception, not a lost actor
+            self._last_epochs()
         self._stop_group()
         self.failure = (failure, nodes or [])
         self.state = RESTARTING
@@ -740,13 +741,5 @@ def _rank_error(rank: int, error: TaskError) -> failure_lib.RankError:
 
 
 def _checkpoint_storage(job: Job, resume: bool) -> Storage | None:
-    if job.checkpoint_dir is None:
-        if resume:
-            raise SpecError("--resume: the job has no checkpoint.dir to resume from; set checkpoint.dir")
-        return None
-    storage = Storage(job.checkpoint_dir)
-    latest = storage.latest()
-    if latest is not None and not resume:
-        raise SpecError(f"checkpoint.dir {job.checkpoint_dir} already holds checkpoints (latest at step "
-                        f"{latest.step}); pass --resume to continue from it, or choose another checkpoint.dir")
-    return storage
+    resume_note(job.checkpoint_dir, resume)  # the same rules raytf.fit checks before anything starts
+    return None if job.checkpoint_dir is None else Storage(job.checkpoint_dir)

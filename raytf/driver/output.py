@@ -81,9 +81,10 @@ def _data_paths(job: Job) -> list[tuple[str, Path]]:
 
 
 @contextlib.contextmanager
-def claim(job: Job) -> Iterator[Path]:
+def claim(job: Job, resume: bool = False) -> Iterator[Path]:
     """Hold output.dir for this run: check it, lock it (a second run into it is a SpecError naming the first),
-    and move an earlier run's results aside to earlier-runs/<when>/. The lock goes with the process."""
+    and move an earlier run's results aside to earlier-runs/<when>/, unless this run resumes that one (its
+    TensorBoard events go on in the same folder). The lock goes with the process."""
     out = check(job)
     check_checkpoint_dir(job)
     handle = open(out / LOCK, "a+")
@@ -101,7 +102,8 @@ def claim(job: Job) -> Iterator[Path]:
         handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}))
         handle.flush()
-        move_earlier_results(out)
+        if not resume:
+            move_earlier_results(out)
         yield out
     finally:
         with contextlib.suppress(OSError):
