@@ -37,18 +37,13 @@ def check(job: Job) -> Path:
         raise SpecError(f"{where} is a file, not a folder; give a folder (default: runs/<name> in the job folder)")
     job_dir = Path(job.job_dir).resolve()
     resolved = out.resolve()
-    if resolved == job_dir or resolved in job_dir.parents:
+    if _holds(resolved, job_dir):
         raise SpecError(f"{where} is the job folder{'' if resolved == job_dir else ' or holds it'}: results would "
                         f"land among the job's code and be uploaded with it; use a folder of its own, e.g. runs/<name>")
-    if job.spec.data is not None:
-        for key in ("train", "validation"):
-            path = getattr(job.spec.data, key)
-            if path is None or "://" in path:
-                continue
-            data = Path(job.data_path(path)).resolve()
-            if data == resolved or resolved in data.parents or data in resolved.parents:
-                raise SpecError(f"{where} overlaps data.{key} ({data}): the data would be left out of the job's "
-                                f"package and results written among it; give output.dir a folder of its own")
+    for key, data in _data_paths(job):
+        if _holds(resolved, data) or _holds(data, resolved):
+            raise SpecError(f"{where} overlaps data.{key} ({data}): the data would be left out of the job's "
+                            f"package and results written among it; give output.dir a folder of its own")
     probe = resolved / f".raytf-probe-{uuid.uuid4().hex}"
     try:
         resolved.mkdir(parents=True, exist_ok=True)
@@ -65,15 +60,21 @@ def check_checkpoint_dir(job: Job) -> None:
         return
     where, resolved = f"checkpoint.dir {job.checkpoint_dir}", Path(job.checkpoint_dir).resolve()
     job_dir = Path(job.job_dir).resolve()
-    if resolved == job_dir or resolved in job_dir.parents:
+    if _holds(resolved, job_dir):
         raise SpecError(f"{where} is the job folder{'' if resolved == job_dir else ' or holds it'}: checkpoints would "
                         f"land among the job's code; use a folder of their own, e.g. ../runs/<name>/checkpoints")
     for key, data in _data_paths(job):
-        if data == resolved or resolved in data.parents or data in resolved.parents:
+        if _holds(resolved, data) or _holds(data, resolved):
             raise SpecError(f"{where} overlaps data.{key} ({data}); give checkpoint.dir a folder of its own")
 
 
+def _holds(folder: Path, path: Path) -> bool:
+    """Whether `path` is `folder` or lies inside it (both resolved)."""
+    return path == folder or folder in path.parents
+
+
 def _data_paths(job: Job) -> list[tuple[str, Path]]:
+    """The local data paths of the job (resolved), by key."""
     if job.spec.data is None:
         return []
     paths = [(key, getattr(job.spec.data, key)) for key in ("train", "validation")]
