@@ -91,9 +91,9 @@ def consume(dataset, batches: int) -> float:
 
 def raytf_pipeline(folder: Path, batches: int) -> float:
     from raytf import data
-    from raytf.actor.context import WorkerPayload
+    from raytf.protocol import WorkerPayload
     from raytf.actor.examples import Examples
-    from raytf.spec import parse
+    from raytf.job import parse
 
     spec = parse({"name": "bench", "model": "m:f", "train": {"seed": 0},
                   "data": {"train": str(folder / "images.parquet"), "features": ["image"], "label": "label",

@@ -46,7 +46,7 @@ def one_run(cluster, how: str, work: Path) -> dict:
     import ray
 
     from raytf.driver.controller import run
-    from raytf.spec import load
+    from raytf.job import load
     from tests.faults import AtSteps, drain
 
     spot = [n for n in cluster.worker_nodes if n.node_id in _spot_ids]

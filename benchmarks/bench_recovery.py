@@ -46,7 +46,7 @@ def _kill_when(read_progress, stop: threading.Event, record: dict) -> None:
 def run_raytf(work: Path) -> dict:
     import ray
 
-    from raytf import spec
+    from raytf import job as spec
     from raytf.driver import controller
     from raytf.driver.ray_group import RayWorkerGroup
 

@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO))
 from raytf import backends, sweep  # noqa: E402
 from raytf.driver import placement  # noqa: E402
 from raytf.rendezvous import ActorReport, tf_config, tf_configs  # noqa: E402
-from raytf.spec import Job, parse  # noqa: E402
+from raytf.job import Job, parse  # noqa: E402
 from tests.conftest import base_spec  # noqa: E402
 
 

@@ -7,7 +7,7 @@ import sys
 import tempfile
 import time
 
-from raytf import spec
+from raytf import job as spec
 from raytf.actor.context import TaskContext
 from raytf.driver import controller
 

@@ -16,7 +16,8 @@ from raytf.errors import (
     TrainingFailed,
     WorkerStartupError,
 )
-from raytf.spec import Job, JobSpec
+from raytf.job import Job
+from raytf.spec import JobSpec
 
 __version__ = "0.1.0"
 
@@ -33,13 +34,13 @@ def fit(spec_or_path: "str | Mapping[str, Any] | JobSpec | Job", overrides: Mapp
     latest checkpoint in checkpoint.dir (without it, a checkpoint.dir that holds checkpoints is an error).
     `verbose`: Ray's and TensorFlow's own output too (the workers' logs, TensorFlow's start-up lines).
     """
-    from raytf import spec as spec_lib
+    from raytf import job as job_lib
     from raytf.driver import packaging, quiet
 
     merged = dict(overrides or {})
     merged.update({k.replace("__", "."): v for k, v in dotted_overrides.items()})
     with quiet.native_noise_filtered(quiet.hide_native_noise(verbose)):
-        job = spec_lib.load(spec_or_path, merged)
+        job = job_lib.load(spec_or_path, merged)
     left_out = packaging.check_job_folder(job)
     display = display or ProgressDisplay(quiet=True)
     if left_out:

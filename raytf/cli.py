@@ -80,7 +80,7 @@ def run(job_file: str, address: str | None, settings: tuple[str, ...], quiet: bo
     """Train the job in JOB_FILE (YAML) on the Ray cluster."""
     from raytf import fit
     from raytf.driver.report import ProgressDisplay
-    from raytf.spec import parse_set_options
+    from raytf.job import parse_set_options
 
     display = ProgressDisplay(quiet=quiet)
     # `ray job stop` / `raytf stop` send SIGTERM: take the Ctrl-C path, so actors, the placement group
@@ -146,7 +146,7 @@ def tune_command(sweep_file: str, address: str | None, settings: tuple[str, ...]
     Exit codes as for `run`; 1 also when no trial completed, 130 when interrupted (--resume continues)."""
     from raytf import tune
     from raytf.driver.report import ProgressDisplay
-    from raytf.spec import parse_set_options
+    from raytf.job import parse_set_options
 
     with _exit_on_error("raytf: interrupted; `raytf tune --resume` continues the sweep"):
         result = tune(sweep_file, parse_set_options(list(settings)), address=address,

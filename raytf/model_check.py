@@ -15,6 +15,7 @@ import os
 import traceback
 from pathlib import Path
 
+from raytf import backends
 from raytf.errors import SpecError, clip
 
 # (job folder, model ref) -> its output shape, for the models built fine in this process: a sweep builds once
@@ -22,13 +23,7 @@ _built: dict[tuple[str, str], tuple | None] = {}
 
 
 def _rank_zero_tf_config(spec) -> str:
-    """TF_CONFIG as rank 0 sees it (addresses are placeholders: the driver starts no server): the driver builds
-    the model as the chief would."""
-    cluster = spec.cluster
-    if spec.strategy == "parameter_server":
-        jobs = {"chief": ["localhost:1"], "ps": ["localhost:2"] * cluster.ps, "worker": ["localhost:3"] * cluster.workers}
-        return json.dumps({"cluster": jobs, "task": {"type": "chief", "index": 0}})
-    return json.dumps({"cluster": {"worker": ["localhost:1"] * cluster.workers}, "task": {"type": "worker", "index": 0}})
+    return json.dumps(backends.get(spec.strategy).rank_zero_tf_config(spec))
 
 
 def model_output_shape(spec, job_dir: Path, build) -> tuple | None:

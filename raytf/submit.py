@@ -29,7 +29,7 @@ import requests
 from ray.exceptions import AuthenticationError
 from ray.job_submission import JobDetails, JobStatus, JobSubmissionClient
 
-from raytf import spec as spec_lib
+from raytf import job as job_lib
 from raytf.driver import packaging, session
 from raytf.errors import RaytfError, SpecError
 
@@ -82,9 +82,9 @@ def prepare(job_file: str | Path, settings: Sequence[str] = (), verbose: bool = 
     the cluster can see still submits) and build the entrypoint and runtime env. The full check (modules,
     data, Keras names) runs on the cluster and comes back as exit code 2."""
     path = Path(job_file).expanduser().resolve()
-    overrides = spec_lib.parse_set_options(list(settings))
-    spec = spec_lib.parse(spec_lib.apply_overrides(spec_lib.read_yaml(path), overrides), str(job_file))
-    job = spec_lib.Job(spec=spec, job_dir=spec_lib.job_folder(spec, path.parent, str(job_file)), source=str(job_file))
+    overrides = job_lib.parse_set_options(list(settings))
+    spec = job_lib.parse(job_lib.apply_overrides(job_lib.read_yaml(path), overrides), str(job_file))
+    job = job_lib.Job(spec=spec, job_dir=job_lib.job_folder(spec, path.parent, str(job_file)), source=str(job_file))
     try:
         entry_file = path.relative_to(job.job_dir).as_posix()
     except ValueError:

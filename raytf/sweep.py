@@ -25,7 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from raytf import learning_rate
 from raytf.errors import SpecError
-from raytf.spec import JobSpec, apply_overrides
+from raytf.job import apply_overrides
+from raytf.spec import JobSpec
 
 # Keys a sweep sets itself for every trial: a dimension over them would make trials overwrite each other.
 RESERVED_KEYS = ("name", "output.dir", "checkpoint.dir")

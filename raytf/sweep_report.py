@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from raytf.spec import apply_overrides
+from raytf.job import apply_overrides
 
 COMPLETED, STOPPED, ERROR, UNFINISHED = "completed", "stopped early", "error", "unfinished"
 

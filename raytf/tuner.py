@@ -21,12 +21,14 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from raytf import spec as spec_lib
+from raytf import job as job_lib
+from raytf import job_code
 from raytf import learning_rate, sweep, sweep_report
 from raytf.driver import packaging, placement
 from raytf.driver.report import ProgressDisplay
 from raytf.errors import PlacementTimeout, SpecError
-from raytf.spec import Job, JobSpec
+from raytf.job import Job
+from raytf.spec import JobSpec
 from raytf.sweep_report import SweepResult
 
 EXPERIMENT = "tune"  # Tune's experiment folder inside the sweep's output.dir
@@ -73,12 +75,12 @@ def prepare(source: "str | Path | Mapping[str, Any]", overrides: Mapping[str, An
         raw, start, name = dict(source), Path.cwd(), "sweep"
     else:
         path = Path(source).expanduser().resolve()
-        raw, start, name = spec_lib.read_yaml(path), path.parent, str(source)
+        raw, start, name = job_lib.read_yaml(path), path.parent, str(source)
     raw = sweep.apply_sweep_overrides(raw, overrides or {})
     job_raw, section = sweep.split_sweep(raw, name)
-    base_spec = spec_lib.parse(job_raw, name)
+    base_spec = job_lib.parse(job_raw, name)
     sweep.check_metric(section, base_spec, name)
-    base = Job(spec=base_spec, job_dir=spec_lib.job_folder(base_spec, start, name), source=name)
+    base = Job(spec=base_spec, job_dir=job_lib.job_folder(base_spec, start, name), source=name)
     out = base.output_dir
     jobs: dict[str, Job] = {}
 
@@ -87,7 +89,7 @@ def prepare(source: "str | Path | Mapping[str, Any]", overrides: Mapping[str, An
         if base.checkpoint_dir is not None:  # trials must not share checkpoints
             trial["checkpoint.dir"] = f"{base.checkpoint_dir.rstrip('/')}/{pid}"
         try:  # the code is imported once every point has passed the checks that need no TensorFlow
-            jobs[pid] = spec_lib.load(base, trial, check_code=False)
+            jobs[pid] = job_lib.load(base, trial, check_code=False)
             return jobs[pid].spec
         except SpecError as exc:
             raise SpecError(str(exc).removeprefix(f"{name}: ")) from None
@@ -96,7 +98,7 @@ def prepare(source: "str | Path | Mapping[str, Any]", overrides: Mapping[str, An
         points, rejected = sweep.expand(section, base_spec, check)
         for point in points:
             try:
-                spec_lib.check_job_code(jobs[point.id])
+                job_code.check_job_code(jobs[point.id].spec, jobs[point.id].job_dir, jobs[point.id].datasets)
             except SpecError as exc:
                 raise SpecError(f"point {point.id} {point.describe()} cannot run: {exc}") from None
     except SpecError as exc:

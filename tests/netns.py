@@ -42,6 +42,25 @@ def why_not() -> str | None:
     return None
 
 
+def _unused_tag() -> str:
+    """A name part no link or namespace on this machine has yet: two harnesses alive in one process (a module's
+    cluster and a test's own) once drew the same pid-based tag and the bridge existed ("File exists")."""
+    taken = ip("link", "show", check=False).stdout + ip("netns", "list", check=False).stdout
+    while True:
+        tag = secrets.token_hex(3)  # "rtf" + 6 + "v9" stays within Linux's 15-character interface names
+        if f"rtf{tag}" not in taken and f"rtfb{tag}" not in taken:
+            return tag
+
+
+def _unused_subnet() -> str:
+    """A 10.x.y.0/24 no interface here is on."""
+    taken = ip("-o", "-4", "addr", "show", check=False).stdout
+    while True:
+        subnet = f"10.{random.randrange(16, 250)}.{random.randrange(1, 250)}"
+        if f" {subnet}." not in taken:
+            return subnet
+
+
 @dataclasses.dataclass
 class Host:
     name: str
@@ -57,9 +76,7 @@ class Hosts:
     namespace per host, .10 upwards, each with a Ray node."""
 
     def __init__(self, names: list[str], cpus: dict[str, float], gpus: dict[str, int]):
-        self.tag = f"{os.getpid() % 1000}{random.randrange(100):02d}"
-        net = random.randrange(16, 250)
-        self.subnet = f"10.{net}.{random.randrange(1, 250)}"
+        self.tag, self.subnet = _unused_tag(), _unused_subnet()
         self.bridge = f"rtfb{self.tag}"
         self.root = tempfile.mkdtemp(prefix="rtfn", dir="/tmp")  # short: Ray's unix sockets live under it
         self.token = secrets.token_hex(32)

@@ -5,7 +5,7 @@ import time
 import pytest
 
 from raytf.errors import SpecError
-from raytf.spec import parse, read_yaml
+from raytf.job import parse, read_yaml
 from tests.conftest import base_spec
 
 pytestmark = pytest.mark.timeout(30)
@@ -97,7 +97,7 @@ def test_result_json_is_strict_json_even_with_nan_metrics(tmp_path):
 # ---------------------------------------------------------------- output.dir (raytf.driver.output)
 
 def job_at(tmp_path, **output):
-    from raytf.spec import Job
+    from raytf.job import Job
 
     (tmp_path / "data").mkdir(exist_ok=True)
     return Job(spec=parse(base_spec(output=output) if output else base_spec()), job_dir=tmp_path)
@@ -122,7 +122,7 @@ def test_an_unusable_output_dir_is_refused_before_anything_starts(tmp_path, give
 
 def test_a_job_named_dot_dot_cannot_write_among_its_code(tmp_path):
     from raytf.driver import output
-    from raytf.spec import Job
+    from raytf.job import Job
 
     with pytest.raises(SpecError, match="is the job folder"):
         output.check(Job(spec=parse(base_spec(name="..")), job_dir=tmp_path))
@@ -132,7 +132,7 @@ HOLD = """
 import sys, time
 from pathlib import Path
 from raytf.driver import output
-from raytf.spec import Job, parse
+from raytf.job import Job, parse
 from tests.conftest import base_spec
 with output.claim(Job(spec=parse(base_spec(output={"dir": sys.argv[1]})), job_dir=Path(sys.argv[2]))):
     print("held", flush=True)
@@ -280,7 +280,7 @@ def test_values_that_only_look_right_are_refused(change, says):
 @pytest.mark.parametrize("given,says", [(".", "is the job folder"), ("data", "overlaps data.train")])
 def test_a_checkpoint_dir_among_the_jobs_code_or_data_is_refused(tmp_path, given, says):
     from raytf.driver import output
-    from raytf.spec import Job
+    from raytf.job import Job
 
     (tmp_path / "data").mkdir()
     job = Job(spec=parse(base_spec(checkpoint={"dir": given}, data={"train": "data"})), job_dir=tmp_path)
@@ -297,7 +297,7 @@ def test_resume_says_when_there_is_nothing_to_resume_and_needs_a_checkpoint_dir(
 
 
 def test_a_train_fn_that_takes_no_ctx_is_refused_before_anything_starts(job_dir):
-    from raytf.spec import load
+    from raytf.job import load
     from tests.conftest import write_job
 
     (job_dir / "noctx.py").write_text("def train():\n    pass\n")

@@ -14,7 +14,7 @@ import raytf
 from raytf.driver import controller
 from raytf.driver.ray_group import RayWorkerGroup
 from raytf.errors import PlacementTimeout, TrainingFailed
-from raytf.spec import load
+from raytf.job import load
 from tests.conftest import REPO, assert_nothing_left, base_spec, write_job
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]

@@ -13,7 +13,7 @@ from raytf.driver.controller import DONE, FAILED, RUNNING, STARTING, Controller
 from raytf.driver.group import TaskError
 from raytf.driver.policy import Limits
 from raytf.errors import PlacementTimeout, TrainingFailed
-from raytf.spec import Job, parse
+from raytf.job import Job, parse
 from tests.conftest import REPO, base_spec
 from tests.fakes import (
     FakeClock,

@@ -8,7 +8,7 @@ from raytf.driver.failure import (
     classify,
 )
 from raytf.driver.policy import RestartPolicy, checkpoint_fits, elastic_batch, elastic_sizes, stop_step
-from raytf.spec import parse
+from raytf.job import parse
 
 
 def test_classify_tells_infrastructure_from_user_errors():

@@ -12,7 +12,7 @@ import raytf
 from raytf.checkpoint import Storage
 from raytf.driver.controller import run
 from raytf.errors import SpecError, TrainingFailed
-from raytf.spec import load
+from raytf.job import load
 from tests.conftest import assert_nothing_left, base_spec, task_files_in_temp_dir, write_job
 from tests.faults import Killer, rank_one_data
 from tests.test_scratch import made_by_a_process_that_exited

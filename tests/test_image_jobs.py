@@ -13,7 +13,7 @@ import pytest
 
 from raytf.driver.controller import run
 from raytf.errors import TrainingFailed
-from raytf.spec import load
+from raytf.job import load
 from tests.conftest import REPO, assert_nothing_left, task_files_in_temp_dir, write_job
 from tests.serving import feed_of, serve_in_a_fresh_process
 from tests.test_parameter_server import CHIEF_CRASHED

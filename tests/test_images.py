@@ -12,7 +12,7 @@ import pytest
 
 from raytf import data, images
 from raytf.errors import SpecError
-from raytf.spec import load, parse
+from raytf.job import load, parse
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.timeout(120)
@@ -142,7 +142,7 @@ def tf_side(image_file):
     """The job folder on sys.path (as in an actor) and a payload builder."""
     (image_file.parent / "imgprep.py").write_text(PREPROCESS)
     sys.path.insert(0, str(image_file.parent))
-    from raytf.actor.context import WorkerPayload
+    from raytf.protocol import WorkerPayload
 
     def payload(**data_keys):
         spec = parse(image_spec(image_file.parent, **{"decode": {"column": "image", "format": "png"}, **data_keys}))
@@ -253,7 +253,7 @@ def test_a_preprocess_that_cannot_be_traced_is_a_clear_error_when_the_pipeline_i
 def test_jpeg_columns_decode_too(tmp_path):
     import tensorflow as tf
 
-    from raytf.actor.context import WorkerPayload
+    from raytf.protocol import WorkerPayload
     from raytf.actor.examples import Examples
 
     picture_ = np.zeros((16, 24, 3), np.uint8)

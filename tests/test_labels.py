@@ -15,7 +15,8 @@ from click.testing import CliRunner
 
 from raytf import data
 from raytf.errors import SpecError
-from raytf.spec import check_label_shape, load, loss_key
+from raytf.job import load
+from raytf.labels import check_label_shape, loss_key
 from tests.conftest import DIGITS, base_spec, write_job
 
 
@@ -204,8 +205,8 @@ TWO_REPLICAS = textwrap.dedent('''
     tf.config.threading.set_inter_op_parallelism_threads(2)
     import keras
     import numpy as np
-    from raytf.spec import load
-    from raytf.actor.context import WorkerPayload
+    from raytf.job import load
+    from raytf.protocol import WorkerPayload
     from raytf.actor import steps
 
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
@@ -368,7 +369,7 @@ def test_the_first_step_checks_the_label_against_the_models_output():
     import tensorflow as tf
 
     from raytf.actor import steps
-    from raytf.spec import parse
+    from raytf.job import parse
 
     def loss(name, label_shape, output_shape, label_dtype=tf.float32):
         fn = steps.build_loss(parse(one_hot_spec(loss=name)))

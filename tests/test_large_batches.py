@@ -20,7 +20,7 @@ from raytf.checkpoint import Storage
 from raytf.cli import main
 from raytf.driver.controller import run
 from raytf.errors import SpecError, TrainingFailed
-from raytf.spec import load, parse
+from raytf.job import load, parse
 from tests.conftest import assert_nothing_left, base_spec, write_job
 from tests.faults import Killer, an_extra_node, rank_one_data
 

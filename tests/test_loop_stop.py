@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from raytf.actor import loop
-from raytf.actor.context import TaskContext, WorkerPayload
-from raytf.spec import parse
+from raytf.actor.context import TaskContext
+from raytf.protocol import WorkerPayload
+from raytf.job import parse
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -17,7 +17,8 @@ import pytest
 import raytf
 from raytf.driver.controller import run
 from raytf.errors import SpecError
-from raytf.spec import fit_calls, load
+from raytf.job import load
+from raytf.job_code import fit_calls
 from tests.conftest import DIGITS, REPO, assert_nothing_left, base_spec, write_job
 from tests.faults import Killer
 from tests.test_user_paths import files_under, run_cli

@@ -9,7 +9,7 @@ import pytest
 
 from raytf.driver import packaging
 from raytf.errors import SpecError
-from raytf.spec import Job, parse
+from raytf.job import Job, parse
 from tests.conftest import base_spec
 
 pytestmark = pytest.mark.timeout(60)

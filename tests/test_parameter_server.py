@@ -8,7 +8,7 @@ import pytest
 
 from raytf.driver.controller import run
 from raytf.errors import TrainingFailed
-from raytf.spec import load
+from raytf.job import load
 from raytf.synthetic import criteo_like
 from tests.conftest import assert_nothing_left, write_job
 from tests.faults import Killer

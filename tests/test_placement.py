@@ -37,7 +37,7 @@ def test_busy_cluster_says_so():
 
 def test_a_parameter_server_job_has_a_chief_ps_and_worker_bundles_in_that_order():
     from raytf.driver.placement import bundle_roles, job_bundles
-    from raytf.spec import parse
+    from raytf.job import parse
     from tests.conftest import base_spec
 
     spec = parse(base_spec(strategy="parameter_server",

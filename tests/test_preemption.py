@@ -7,7 +7,7 @@ import pytest
 import ray
 
 from raytf.driver.controller import run
-from raytf.spec import load
+from raytf.job import load
 from tests.conftest import REPO, assert_nothing_left, base_spec, write_job
 from tests.faults import AtSteps, drain
 from tests.test_parameter_server import CHIEF_CRASHED, criteo_data, ps_dir, ps_spec  # noqa: F401 (fixtures)

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from raytf.driver.controller import run
-from raytf.spec import load
+from raytf.job import load
 from tests.conftest import assert_nothing_left, base_spec, write_job
 
 # TF 2.21's ClusterCoordinator can segfault the chief while workers run their first steps (see

@@ -13,7 +13,7 @@ import pytest
 import raytf
 from raytf.driver import stragglers
 from raytf.errors import SpecError
-from raytf.spec import parse
+from raytf.job import parse
 from tests.conftest import DIGITS, assert_nothing_left, base_spec, write_job
 from tests.faults import rank_one_data
 from tests.serving import saved_model_cli, serve_in_a_fresh_process
@@ -151,7 +151,7 @@ def test_actors_and_tasks_show_as_their_job_role_and_index(cluster, job_dir):
 
     from raytf.driver.controller import run
     from raytf.driver.ray_group import RayWorkerGroup
-    from raytf.spec import load
+    from raytf.job import load
 
     tasks, actors = [], {}
 

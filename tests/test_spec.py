@@ -4,7 +4,7 @@ from click.testing import CliRunner
 
 from raytf.cli import main
 from raytf.errors import SpecError
-from raytf.spec import apply_overrides, load, parse, parse_set_options
+from raytf.job import apply_overrides, load, parse, parse_set_options
 from tests.conftest import base_spec, write_job
 
 

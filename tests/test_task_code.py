@@ -130,7 +130,7 @@ def test_a_model_that_cannot_be_built_is_found_before_anything_starts_naming_its
 
 @pytest.mark.timeout(120)
 def test_a_label_the_models_output_cannot_take_is_a_spec_error_from_the_model_built_in_the_driver(job_dir):
-    from raytf.spec import load
+    from raytf.job import load
     from tests.conftest import write_job
 
     path = write_job(job_dir, base_spec(loss={"name": "mse"}, metrics=["mae"]))  # tmodel outputs 10 numbers

@@ -15,7 +15,7 @@ import raytf
 from raytf import learning_rate, sweep, sweep_report
 from raytf.cli import main
 from raytf.errors import SpecError
-from raytf.spec import apply_overrides, load, parse
+from raytf.job import apply_overrides, load, parse
 from tests.conftest import assert_nothing_left, base_spec, write_job
 
 TUNE = {"metric": "val_loss", "mode": "min"}

@@ -102,7 +102,7 @@ def test_no_code_path_calls_a_bare_ray_init():
 def test_a_spec_error_that_needs_no_tensorflow_is_found_without_importing_it(override, says):
     code = textwrap.dedent(f"""
         import sys
-        from raytf import spec
+        from raytf import job as spec
         from raytf.errors import SpecError
         try:
             spec.load("jobs/digits.yaml", spec.parse_set_options([{override!r}]))
@@ -338,7 +338,7 @@ def test_data_inspect_reads_the_same_from_every_working_directory(project, tmp_p
 def test_two_jobs_in_one_process_each_get_their_own_module_of_the_same_name(tmp_path):
     """A notebook runs one job, then another whose folder has its own `model.py`: each job's functions
     are checked in its own module, not in the one the first job imported."""
-    from raytf.spec import load
+    from raytf.job import load
 
     for name, function in (("a", "build_a"), ("b", "build_b")):
         folder = tmp_path / name

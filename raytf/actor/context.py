@@ -4,40 +4,15 @@ No TensorFlow import here: the driver builds payloads, actors build contexts.
 """
 from __future__ import annotations
 
-import dataclasses
-import importlib
 import math
 import os
 import threading
 import time
 from typing import Any, Callable
 
-from raytf.checkpoint import CheckpointInfo
-from raytf.data import DatasetInfo
 from raytf.errors import NonFiniteLoss
+from raytf.protocol import WorkerPayload
 from raytf.spec import JobSpec
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkerPayload:
-    """Everything a worker needs to train: the spec and the data sets as the actor will see them."""
-
-    spec: JobSpec
-    train_data: DatasetInfo | None = None
-    train_root: str | None = None
-    val_data: DatasetInfo | None = None
-    val_root: str | None = None
-    checkpoint_dir: str | None = None  # absolute path or URI, the same for every process
-    resume_from: CheckpointInfo | None = None
-    job_dir: str | None = None  # the job folder on the driver's machine: errors name files relative to it
-
-    def function(self, key: str) -> Callable:
-        """Import spec.<key> (`module:function`; key as in spec.FUNCTION_KEYS, e.g. data.preprocess) inside the
-        actor; its working dir is the job folder."""
-        from raytf.spec import function_ref
-
-        module_name, _, func_name = function_ref(self.spec, key).partition(":")
-        return getattr(importlib.import_module(module_name), func_name)
 
 
 def check_loss(spec: JobSpec, loss: Any, epoch: int, step: int, rank: int) -> None:

@@ -10,12 +10,14 @@ model works as well as a functional one.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import Callable
 
 import keras
 import tensorflow as tf
 
 from raytf.actor import steps as steps_lib
+from raytf.actor.examples import Examples
+from raytf.actor.inputs import input_specs, model_input, sample_input
 from raytf.data import Column
 
 SAVED_MODEL_DIR = "saved_model"
@@ -42,34 +44,6 @@ def write(model: keras.Model, payload, staging_dir: str, plain: bool = False) ->
     return out
 
 
-def input_specs(features: tuple[Column, ...]) -> dict[str, tf.TensorSpec]:
-    """One TensorSpec per feature column, named after it: (None, *the row's shape)."""
-    return {c.name: tf.TensorSpec((None, *c.shape), tf.as_dtype(c.tf_dtype), name=c.name) for c in features}
-
-
-def model_input(features: tuple[Column, ...], inputs: dict[str, tf.Tensor]):
-    """What the model takes: the one feature's tensor, or the dict by column name (as raytf's data feeds it)."""
-    return inputs[features[0].name] if len(features) == 1 else dict(inputs)
-
-
-def zero_row(features: tuple[Column, ...]) -> dict[str, tf.Tensor]:
-    """One row of zeros (empty strings) per feature column, by name."""
-    return {name: tf.zeros([1, *spec.shape[1:]], spec.dtype) for name, spec in input_specs(features).items()}
-
-
-def sample_input(payload) -> Any:
-    """One row as the model takes it: zeros shaped like the feature columns, or, when rows go through
-    data.decode/preprocess, the first training row through them (their output shapes are theirs to say)."""
-    features = payload.train_data.features
-    if not payload.spec.data.per_example:
-        return model_input(features, zero_row(features))
-    from raytf import data
-    from raytf.actor.examples import Examples
-
-    rows = next(data.iter_shard(payload.train_data, payload.train_root, [data.Slice(0, 0, 1)]))
-    return Examples(payload, payload.train_data, training=False).model_input(rows)
-
-
 def plain_copy(build: Callable[[], keras.Model], weights: list, payload) -> keras.Model:
     """A fresh model with `weights`, outside any strategy; called once on one row first, so a subclassed
     model has its variables."""
@@ -87,8 +61,6 @@ def saved_model(model: keras.Model, features: tuple[Column, ...], path: str, pay
     module.model = model  # tracked: its variables are saved
     examples = None
     if payload is not None and payload.spec.data.per_example:
-        from raytf.actor.examples import Examples
-
         examples, example_input = Examples(payload, payload.train_data, training=False), sample_input(payload)
 
     @tf.function(input_signature=[input_specs(features)])

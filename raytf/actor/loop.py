@@ -21,7 +21,8 @@ import tensorflow as tf
 
 from raytf.actor import schedules
 from raytf.actor import steps as steps_lib
-from raytf.actor.context import TaskContext, WorkerPayload, check_loss
+from raytf.actor.context import TaskContext, check_loss
+from raytf.protocol import WorkerPayload
 from raytf.checkpoint import META, CheckpointInfo, Storage
 from raytf.errors import CheckpointCorrupt, CheckpointMismatch, NonFiniteWeights
 

@@ -8,7 +8,6 @@ a mid-epoch checkpoint, which saves them), not every step.
 """
 from __future__ import annotations
 
-import math
 import os
 from typing import Any, Iterator
 
@@ -16,11 +15,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from raytf import data
-from raytf.actor import export, loop
-from raytf.actor.examples import Examples
+from raytf.actor import export, inputs, loop
 from raytf.actor import steps as steps_lib
-from raytf.actor.context import TaskContext, WorkerPayload
+from raytf.actor.context import TaskContext
+from raytf.protocol import WorkerPayload
 
 # ---------------------------------------------------------------- the actor's half of the backend
 
@@ -75,7 +73,7 @@ class MirroredRunner:
             raise ValueError(f"train.global_batch_size {global_batch} is not divisible by the {replicas} replicas "
                              f"TensorFlow found ({local_replicas} per worker)")
         self.replicas = replicas
-        self.plan = InputPlan(payload, ctx.world_size, global_batch // replicas, local_replicas,
+        self.plan = inputs.InputPlan(payload, ctx.world_size, global_batch // replicas, local_replicas,
                               cache_dir=ctx.staging_dir + ".cache")
         self.steps = self.plan.steps
         self.model, self.optimizer, _ = steps_lib.build_model(payload, strategy, self.steps)
@@ -96,7 +94,7 @@ class MirroredRunner:
         spec, position = self.payload.spec, self.payload.resume_from
         if spec.dataset_fn is not None:
             self._iterator = iter(self.strategy.distribute_datasets_from_function(
-                _micro_batched(self.payload.function("dataset_fn"), spec.train.accumulation_steps)))
+                inputs.micro_batched(self.payload.function("dataset_fn"), spec.train.accumulation_steps)))
         else:
             skip = position.step_in_epoch if position is not None and position.epoch == epoch else 0
             self._iterator = iter(self.strategy.distribute_datasets_from_function(
@@ -163,74 +161,3 @@ class MirroredRunner:
         exports = export.write(self.model, self.payload, self.ctx.staging_dir) if self.ctx.is_chief else {}
         return {"weights_digest": steps_lib.weights_digest(self.model), "replicas": self.replicas,
                 "optimizer_steps": int(self.optimizer.iterations.numpy()), "exports": exports}
-
-
-class InputPlan:
-    """Steps per epoch and the per-worker input functions, from the Parquet metadata (raytf's loop, and a
-    train_fn's ctx.dataset)."""
-
-    def __init__(self, payload: WorkerPayload, world_size: int, per_replica: int, local_replicas: int,
-                 cache_dir: str | None = None):
-        """cache_dir: this task's folder for data.cache: disk."""
-        spec = payload.spec
-        self.payload, self.per_replica, self.local_replicas = payload, per_replica, local_replicas
-        self.cache_dir = cache_dir
-        self.shuffle_buffer = spec.train.shuffle_buffer
-        self.micro_batches = spec.train.accumulation_steps
-        per_worker = per_replica * local_replicas
-        if payload.train_data is None:  # dataset_fn: the user's pipeline, the spec's step count
-            self.steps, self.val_steps = spec.train.steps_per_epoch, 0
-            return
-        rows = payload.train_data.num_rows
-        self.train_shards = data.plan_shards([p.num_rows for p in payload.train_data.pieces], world_size)
-        self.pad = spec.data.remainder == "pad"
-        padded = None
-        if self.pad:  # every row once per epoch: enough batches for the largest shard, padded
-            padded = math.ceil(max(data.shard_rows(s) for s in self.train_shards) / (per_worker * self.micro_batches))
-        self.steps = steps_lib.steps_per_epoch(spec, rows, padded, hint=" or use data.remainder: pad")
-        self.val_steps = 0
-        if payload.val_data is not None:
-            self.val_shards = data.plan_shards([p.num_rows for p in payload.val_data.pieces], world_size)
-            largest = max(data.shard_rows(s) for s in self.val_shards)
-            self.val_steps = max(1, math.ceil(largest / per_worker))
-
-    def train_input(self, seed: int, first_epoch: int = 1, skip_batches: int = 0):
-        """From `first_epoch`, less the batches of it already trained (a resume from mid-epoch)."""
-        p = self.payload
-
-        def dataset_fn(input_context: tf.distribute.InputContext):
-            shard = self.train_shards[input_context.input_pipeline_id]
-            ds = data.train_dataset(p.train_data, p.train_root, shard, self.per_replica,
-                                    self.steps * self.local_replicas * self.micro_batches, self.shuffle_buffer,
-                                    seed, first_epoch=first_epoch, pad=self.pad, micro_batches=self.micro_batches,
-                                    examples=self._examples(p.train_data, training=True),
-                                    worker=input_context.input_pipeline_id)
-            return ds.skip(skip_batches * self.local_replicas) if skip_batches else ds
-
-        return dataset_fn
-
-    def val_input(self, repeat: bool = True):
-        """Every validation row once per pass; `repeat`: the same pass for every epoch, one pipeline."""
-        p = self.payload
-
-        def dataset_fn(input_context: tf.distribute.InputContext):
-            shard = self.val_shards[input_context.input_pipeline_id]
-            return data.eval_dataset(p.val_data, p.val_root, shard, self.per_replica,
-                                     self.val_steps * self.local_replicas, repeat=repeat,
-                                     examples=self._examples(p.val_data, training=False),
-                                     worker=input_context.input_pipeline_id)
-
-        return dataset_fn
-
-    def _examples(self, info: data.DatasetInfo, training: bool) -> Examples | None:
-        """The per-example maps (data.decode/preprocess/cache), when the spec asks for them."""
-        if not self.payload.spec.data.per_example:
-            return None
-        return Examples(self.payload, info, training, self.cache_dir)
-
-
-def _micro_batched(dataset_fn, micro_batches: int):
-    """A user's dataset_fn whose batches are stacked in groups of train.accumulation_steps (one optimizer step each)."""
-    if micro_batches == 1:
-        return dataset_fn
-    return lambda input_context: dataset_fn(input_context).batch(micro_batches, drop_remainder=True)

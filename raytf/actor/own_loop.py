@@ -21,12 +21,14 @@ from typing import Any, Callable
 import numpy as np
 import tensorflow as tf
 
+from raytf import backends
 from raytf.actor import loop
 from raytf.actor import steps as steps_lib
-from raytf.actor.context import StopTraining, TaskContext, WorkerPayload
-from raytf.actor.mirrored import InputPlan
+from raytf.actor.context import StopTraining, TaskContext
+from raytf.protocol import WorkerPayload
+from raytf.actor.inputs import InputPlan
 from raytf.checkpoint import Storage
-from raytf.spec import LEGACY_INSTALL
+from raytf.job_code import LEGACY_INSTALL
 
 # What TF 2.21 raises when Keras 3's model.fit runs under MultiWorkerMirroredStrategy.
 KERAS3_FIT_ERROR = "Attempt to convert a value (PerReplica"
@@ -40,9 +42,9 @@ def run(strategy: tf.distribute.Strategy, payload: WorkerPayload, ctx: TaskConte
     ctx.num_replicas = strategy.num_replicas_in_sync
     ctx.per_replica_batch_size = spec.train.global_batch_size // ctx.num_replicas
     ctx.own_loop = (own_loop or OwnLoop)(strategy, payload, ctx)
-    # Replicas of one variable exist only under mirrored (parameter servers hold one copy); tf-keras
-    # (Keras 2) keeps BatchNormalization's statistics in sync itself.
-    if spec.strategy == "mirrored" and spec.train.keras != "legacy":
+    # Only replicated variables can drift apart (parameter servers hold one copy); tf-keras (Keras 2) keeps
+    # BatchNormalization's statistics in sync itself.
+    if backends.get(spec.strategy).replicated_variables and spec.train.keras != "legacy":
         ctx.state_sync = lambda model: steps_lib.make_state_sync(strategy, model)()
     # train.seed: Python's, NumPy's and TensorFlow's generators, as raytf's loop seeds its own (the same on
     # every worker, so initial weights agree), so a train_fn repeats too

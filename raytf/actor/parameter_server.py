@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import inspect
-import logging
 import math
 import os
 import shutil
@@ -36,29 +35,21 @@ from tensorflow.python.distribute.sharded_variable import ShardedVariable
 
 from raytf import data
 from raytf.actor import export, loop
+from raytf.actor import inputs, ps_own_loop
+from raytf.actor.ps_common import CHIEF_DEVICE, WORKER_INDEX_FILE, partitioner, watch_recoveries
 from raytf.actor import steps as steps_lib
-from raytf.actor.context import TaskContext, WorkerPayload
+from raytf.actor.context import TaskContext
+from raytf.protocol import WorkerPayload
 from raytf.actor.examples import Examples
 from raytf.checkpoint import CheckpointInfo, Storage
-from raytf.spec import JobSpec, PartitionerSpec
 
-CHIEF_DEVICE = "/job:chief/replica:0/task:0/device:CPU:0"
 WEIGHTS_FILE = "weights.npz"  # every checkpoint's full weights, for the evaluator
-WORKER_INDEX_FILE = f"{data.RECORDS_DIR}/worker-index"
-
-
-def partitioner(spec: JobSpec):
-    part = spec.cluster.variable_partitioner or PartitionerSpec()
-    if part.kind == "fixed":
-        return tf.distribute.experimental.partitioners.FixedShardsPartitioner(part.shards)
-    return tf.distribute.experimental.partitioners.MinSizePartitioner(min_shard_bytes=part.min_shard_bytes,
-                                                                       max_shards=spec.cluster.ps)
 
 
 def steps_per_epoch(payload: WorkerPayload) -> int:
     if payload.train_data is None:  # dataset_fn: the spec requires train.steps_per_epoch
         return payload.spec.train.steps_per_epoch
-    return steps_lib.steps_per_epoch(payload.spec, payload.train_data.num_rows)
+    return inputs.steps_per_epoch(payload.spec, payload.train_data.num_rows)
 
 
 def tf_variables(variables) -> list[tf.Variable]:
@@ -84,33 +75,6 @@ def shard_targets(model: keras.Model) -> list:
 
 def variable_devices(model: keras.Model) -> dict[str, list[str]]:
     return {v.path: [s.device for s in tf_variables([v])] for v in model.weights}
-
-
-class _RecoveryLog(logging.Handler):
-    """Catches the coordinator's "Worker ... has been recovered." (TF logs it at INFO): which lost
-    workers it took back."""
-
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.recovered: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if record.getMessage().endswith("has been recovered."):
-            self.recovered.append(record.getMessage().split()[1])
-
-
-def watch_recoveries() -> _RecoveryLog:
-    logger = tf.get_logger()
-    # The logger must pass INFO to reach this handler; TF's own output stays at WARNING: its handler
-    # is raised to WARNING and the root logger (which Ray's workers print at INFO) no longer sees it.
-    for handler in logger.handlers:
-        if handler.level < logging.WARNING:
-            handler.setLevel(logging.WARNING)
-    logger.propagate = False
-    logger.setLevel(logging.INFO)
-    log = _RecoveryLog()
-    logger.addHandler(log)
-    return log
 
 
 # ---------------------------------------------------------------- the actor's half of the backend
@@ -154,8 +118,6 @@ def train(server, task, payload: WorkerPayload, ctx: TaskContext) -> dict[str, A
 
 def run_chief(payload: WorkerPayload, ctx: TaskContext) -> dict[str, Any]:
     if payload.spec.train_fn is not None:
-        from raytf.actor import ps_own_loop
-
         return ps_own_loop.run(payload, ctx)
     return loop.run(ParameterServerRunner(payload, ctx), payload, ctx)
 

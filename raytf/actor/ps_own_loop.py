@@ -24,10 +24,11 @@ import tensorflow as tf
 
 from raytf import data
 from raytf.actor import own_loop
-from raytf.actor import steps as steps_lib
-from raytf.actor.context import TaskContext, WorkerPayload
+from raytf.actor import inputs
+from raytf.actor.context import TaskContext
+from raytf.protocol import WorkerPayload
 from raytf.actor.examples import Examples
-from raytf.actor.parameter_server import CHIEF_DEVICE, WORKER_INDEX_FILE, partitioner, watch_recoveries
+from raytf.actor.ps_common import CHIEF_DEVICE, WORKER_INDEX_FILE, partitioner, watch_recoveries
 
 
 def run(payload: WorkerPayload, ctx: TaskContext) -> dict[str, Any]:
@@ -68,7 +69,7 @@ class ParameterServerOwnLoop(own_loop.OwnLoop):
         self.examples = None
         if info is None:
             return
-        ctx.steps_per_epoch = steps_lib.steps_per_epoch(spec, info.num_rows)
+        ctx.steps_per_epoch = inputs.steps_per_epoch(spec, info.num_rows)
         if spec.data.per_example:  # traced on the chief, run as a graph on each worker
             self.examples = Examples(self.payload, info, training=True)
         if self.payload.val_data is not None:  # on the chief, in batches of the global batch

@@ -22,8 +22,9 @@ import keras
 import tensorflow as tf
 
 from raytf import learning_rate
-from raytf.actor import schedules
-from raytf.spec import JobSpec, check_label_shape, loss_key
+from raytf.actor import inputs, schedules
+from raytf.labels import check_label_shape, loss_key
+from raytf.spec import JobSpec
 
 # 'accuracy' in metrics, by the loss (its snake-case name): the accuracy that reads the labels that loss takes
 _ACCURACY_BY_LOSS = {
@@ -37,7 +38,7 @@ _ACCURACY_BY_LOSS = {
 
 def build_loss(spec: JobSpec) -> Callable:
     """Per-example loss function (no reduction: the loop scales by the global batch). When traced, it checks
-    the label's shape against the model's output (raytf.spec.check_label_shape: a SpecError naming both and
+    the label's shape against the model's output (raytf.labels.check_label_shape: a SpecError naming both and
     the loss that fits, instead of a shape error from inside Keras); a label of shape (batch,) against an
     output (batch, 1) is aligned before (align_labels)."""
     fn = keras.losses.get(spec.loss.name)
@@ -87,9 +88,7 @@ def build_variables(model: keras.Model, payload) -> None:
         raise ValueError(f"model: {payload.spec.model} returned a model with no weights yet (a subclassed model "
                          f"is built by its first call); with dataset_fn raytf cannot know its inputs: call it once "
                          f"on a batch in the model function, or start it with keras.Input")
-    from raytf.actor import export
-
-    model(export.sample_input(payload), training=False)
+    model(inputs.sample_input(payload), training=False)
 
 
 def build_optimizer(spec: JobSpec, steps_per_epoch: int) -> keras.optimizers.Optimizer:
@@ -277,20 +276,6 @@ def align_labels(y, pred):
 def float32(pred):
     """Model outputs in float32 for the loss and metrics (mixed precision computes in 16 bits)."""
     return tf.nest.map_structure(lambda t: tf.cast(t, tf.float32) if t.dtype.is_floating else t, pred)
-
-
-def steps_per_epoch(spec: JobSpec, rows: int, padded: int | None = None, hint: str = "") -> int:
-    """Optimizer steps per epoch: train.steps_per_epoch when given, else the effective global batches
-    (global_batch_size x accumulation_steps) the training rows fill (`padded`: with data.remainder: pad,
-    as many as the largest shard needs)."""
-    if spec.train.steps_per_epoch:
-        return spec.train.steps_per_epoch
-    batch = spec.train.effective_batch_size
-    steps = padded if padded is not None else rows // batch
-    if steps == 0:
-        raise ValueError(f"data.train has {rows} rows, fewer than one global batch of {spec.train.describe_batch()}; lower "
-                         f"train.global_batch_size{hint}")
-    return steps
 
 
 def accumulate(gradients: Callable, sources: list, metric_size: int, micro_batches: int, take: Callable) -> Callable:

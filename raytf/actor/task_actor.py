@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import shutil
 import socket
 import tempfile
 import threading
@@ -17,7 +16,8 @@ from typing import Any
 import ray
 
 from raytf.actor import raised, scratch, workdir
-from raytf.actor.context import TaskContext, WorkerPayload
+from raytf.actor.context import TaskContext
+from raytf.protocol import WorkerPayload
 from raytf.rendezvous import ActorReport, Task
 
 

@@ -32,6 +32,11 @@ class Backend:
     supports_standby: bool = False  # warm processes can take a restarted task's place
     supports_elastic: bool = False  # a restart may go on with fewer workers
     synchronous_steps: bool = False  # every step waits for every worker (an all-reduce)
+    replicated_variables: bool = False  # every replica holds a copy of each variable, kept in sync
+    # For a train_fn that calls Keras 3's `.fit()`: why it cannot run under this strategy, and what a loop
+    # of the user's own calls to run a step.
+    keras3_fit_problem: str = ""
+    own_step_call: str = ""
     supervision: dict[str, RoleSupervision] = {}
 
     def roles(self, spec: "JobSpec") -> list[str]:
@@ -55,6 +60,11 @@ class Backend:
         """Whether the global batch divides over what one step runs on; checked last."""
         raise NotImplementedError
 
+    def rank_zero_tf_config(self, spec: "JobSpec") -> dict:
+        """TF_CONFIG as rank 0 sees it, with placeholder addresses: the driver builds the model as the chief
+        would, without starting a server."""
+        raise NotImplementedError
+
     def actor_names(self, spec: "JobSpec", bundle_nodes: dict[int, str]) -> dict[int, str]:
         """bundle index -> the name its actor is created with (raytf:<job>:<role>-<index>), planned from the
         placement alone (bundle index -> node id): ranks and roles do not depend on what actors report."""
@@ -64,19 +74,6 @@ class Backend:
 
     def role_name(self, task: "Task") -> str:
         return task.role
-
-    def with_workers(self, spec: "JobSpec", workers: int) -> "JobSpec":
-        """The spec for an attempt with `workers` workers (an elastic restart): the effective batch kept
-        as raytf.driver.policy.elastic_batch says."""
-        if workers == spec.cluster.workers:
-            return spec
-        from raytf.driver.policy import elastic_batch
-
-        batch = elastic_batch(spec, workers)
-        train = spec.train.model_copy(update={"global_batch_size": batch.global_batch_size,
-                                              "accumulation_steps": batch.accumulation_steps})
-        return spec.model_copy(update={"cluster": spec.cluster.model_copy(update={"workers": workers}),
-                                       "train": train})
 
     def who(self, ranks: list[int]) -> str:
         """The ranks a message is about ("rank(s) [1]")."""

@@ -24,6 +24,9 @@ class Mirrored(Backend):
     supports_standby = True
     supports_elastic = True
     synchronous_steps = True
+    replicated_variables = True
+    keras3_fit_problem = "Keras 3's model.fit fails under MultiWorkerMirroredStrategy on TensorFlow 2.21"
+    own_step_call = "strategy.run"
     # A worker that dies leaves its peers hanging in a collective: any failure ends the attempt.
     supervision = {"worker": RoleSupervision(awaited=True, on_failure="fatal", watched=True)}
 
@@ -40,6 +43,9 @@ class Mirrored(Backend):
 
     def role_name(self, task: "Task") -> str:
         return "chief" if task.rank == 0 else "worker"
+
+    def rank_zero_tf_config(self, spec: "JobSpec") -> dict:
+        return {"cluster": {"worker": ["localhost:1"] * spec.cluster.workers}, "task": {"type": "worker", "index": 0}}
 
     def check(self, spec: "JobSpec") -> None:
         from raytf.spec import ClusterSpec

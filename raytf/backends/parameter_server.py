@@ -28,6 +28,11 @@ class ParameterServer(Backend):
         "evaluator": RoleSupervision(awaited=True, on_failure="record", watched=False),
     }
 
+    # Keras 3's fit has no ClusterCoordinator path: TF runs its steps on the chief itself, none on a worker.
+    keras3_fit_problem = ("Keras 3's model.fit does not drive ParameterServerStrategy's ClusterCoordinator (every "
+                          "step would run on the chief, none on the workers)")
+    own_step_call = "ctx.coordinator.schedule"
+
     def roles(self, spec: "JobSpec") -> list[str]:
         cluster = spec.cluster
         return ["chief"] + ["ps"] * cluster.ps + ["worker"] * cluster.workers + (["evaluator"] if cluster.evaluator else [])
@@ -56,6 +61,11 @@ class ParameterServer(Backend):
     def validation_each_epoch(self, spec: "JobSpec") -> bool:
         # An evaluator's val_* arrive after the epochs they belong to.
         return super().validation_each_epoch(spec) and not spec.cluster.evaluator
+
+    def rank_zero_tf_config(self, spec: "JobSpec") -> dict:
+        cluster = spec.cluster
+        jobs = {"chief": ["localhost:1"], "ps": ["localhost:2"] * cluster.ps, "worker": ["localhost:3"] * cluster.workers}
+        return {"cluster": jobs, "task": {"type": "chief", "index": 0}}
 
     def check(self, spec: "JobSpec") -> None:
         """What parameter-server jobs support (raytf's loop, a dataset_fn, a train_fn on the chief); each
@@ -86,6 +96,10 @@ class ParameterServer(Backend):
         for bad, what, fix in refused:
             if bad:
                 raise ValueError(f"{what} is not supported with strategy: parameter_server; {fix}")
+        profile = spec.output.profile
+        if profile is not None and profile.ranks != [0]:
+            raise ValueError(f"output.profile.ranks {profile.ranks}: under parameter_server only the chief "
+                             f"(rank 0) runs the loop and is traced; use ranks: [0]")
         if cluster.evaluator and spec.train_fn is not None:
             # The evaluator reads the weights raytf's loop saves beside each checkpoint; a train_fn's
             # checkpoints hold whatever it named, in its own structure.

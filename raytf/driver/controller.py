@@ -16,7 +16,7 @@ import time
 from typing import Any, Callable
 
 from raytf import backends
-from raytf.actor.context import WorkerPayload
+from raytf.protocol import WorkerPayload
 from raytf.checkpoint import Storage, resume_note
 from raytf.driver import failure as failure_lib
 from raytf.driver.failure import Failure
@@ -29,6 +29,7 @@ from raytf.driver.policy import (
     RestartPolicy,
     ScalingPolicy,
     checkpoint_fits,
+    spec_for_workers,
     elastic_batch,
     heard,
     peer_grace_s,
@@ -40,12 +41,11 @@ from raytf.driver.report import ProgressDisplay, Result, summary_table, worker_l
 from raytf.errors import (
     PlacementTimeout,
     PortTaken,
-    SpecError,
     TrainingFailed,
     WorkerStartupError,
 )
 from raytf.rendezvous import Task
-from raytf.spec import Job
+from raytf.job import Job
 
 PLACING, STARTING, RUNNING, RESTARTING, DONE, FAILED = "placing", "starting", "running", "restarting", "done", "failed"
 
@@ -250,7 +250,7 @@ class Controller:
                 self.pg, workers = self._reserve(full_size_waited=waited)
             else:
                 workers = self.attempt.spec.cluster.workers
-        attempt_spec = backend.with_workers(spec, workers)
+        attempt_spec = spec_for_workers(spec, workers)
         resume_from = (self.storage.latest(exclude=self.bad_checkpoints)
                        if self.storage and (self.resume or self.decisions) else None)
         payload = dataclasses.replace(self.base_payload, spec=attempt_spec, resume_from=resume_from)
@@ -271,7 +271,7 @@ class Controller:
         note = self.backend.reservation_note(self.spec)
         placement = self.spec.cluster.effective_placement
         for i, (workers, timeout_s) in enumerate(sizes):
-            bundles = self.backend.bundles(self.backend.with_workers(self.spec, workers))
+            bundles = self.backend.bundles(spec_for_workers(self.spec, workers))
             self.display.message(f"raytf: reserving {len(bundles)} x {bundles[-1]} " + (f"({note}) " if note else "")
                                  + f"({placement})")
             try:

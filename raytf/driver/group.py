@@ -11,7 +11,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 if TYPE_CHECKING:
-    from raytf.actor.context import WorkerPayload
+    from raytf.protocol import WorkerPayload
     from raytf.rendezvous import ActorReport, Task
 
 

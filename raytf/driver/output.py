@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Iterator
 
 from raytf.errors import SpecError, clip
-from raytf.spec import Job
+from raytf.job import Job
 
 LOCK = ".raytf-lock"
 EARLIER = "earlier-runs"  # an earlier run's results, moved aside (never deleted): earlier-runs/<when>/

@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from raytf.errors import SpecError
-from raytf.spec import FUNCTION_KEYS, Job, function_ref, modules_outside
+from raytf.job import Job
+from raytf.job_code import modules_outside
+from raytf.spec import FUNCTION_KEYS, function_ref
 
 MAX_PACKAGE_BYTES = 100 * 1024 ** 2  # a job folder larger than this belongs in storage every node reads
 ALWAYS_EXCLUDED = [".git", "__pycache__"]

@@ -97,6 +97,17 @@ def elastic_batch(spec: "JobSpec", workers: int) -> BatchPlan | None:
     return None
 
 
+def spec_for_workers(spec: "JobSpec", workers: int) -> "JobSpec":
+    """The spec for an attempt with `workers` workers (an elastic restart): the effective batch kept as
+    elastic_batch says."""
+    if workers == spec.cluster.workers:
+        return spec
+    batch = elastic_batch(spec, workers)
+    train = spec.train.model_copy(update={"global_batch_size": batch.global_batch_size,
+                                          "accumulation_steps": batch.accumulation_steps})
+    return spec.model_copy(update={"cluster": spec.cluster.model_copy(update={"workers": workers}), "train": train})
+
+
 def elastic_sizes(spec: "JobSpec", min_workers: int) -> list[int]:
     """Worker counts to try, largest first, from cluster.workers down to `min_workers`, keeping only
     those that keep the effective batch (elastic_batch)."""

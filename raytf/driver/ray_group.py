@@ -11,7 +11,7 @@ import ray
 from ray.exceptions import ActorAlreadyExistsError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raytf.actor.context import WorkerPayload
+from raytf.protocol import WorkerPayload
 from raytf.actor.raised import summary
 from raytf.actor.task_actor import TaskActor
 from raytf.driver import placement
