@@ -299,6 +299,20 @@ def stop(job_id: str, address: str | None, timeout_s: float, allow_http_token: b
     _jobs_command(body)
 
 
+@main.command()
+@click.option("--indent", default=2, show_default=True, type=click.IntRange(0, 8), help="Spaces per JSON level.")
+def schema(indent: int) -> None:
+    """Print the JSON Schema of a job file (a sweep file's tune: section included), made from the spec's models.
+
+    Editors complete and check job files with it, e.g. `raytf schema > raytf-job.schema.json` and a first line
+    `# yaml-language-server: $schema=raytf-job.schema.json` in the job file. No Ray, no TensorFlow."""
+    import json
+
+    from raytf.spec_reference import job_schema
+
+    click.echo(json.dumps(job_schema(), indent=indent or None))
+
+
 @main.command("spot-watch")
 @click.option("--interval", default=5.0, show_default=True, help="Seconds between looks at the instance metadata.")
 @click.option("--imds", default="http://169.254.169.254", show_default=True, help="The instance metadata service.")

@@ -98,7 +98,7 @@ def test_a_subclassed_model_exports_a_saved_model_that_serves_without_raytf(clus
     assert "shape: (-1, 64)" in shown and "outputs['output']" in shown
 
     # The profile: rank 0 only, where TensorBoard's profile plugin looks, and a trace that parses. Rank 0
-    # because TF 2.21's profiler can crash another MultiWorkerMirrored rank when the trace stops (README).
+    # because TF 2.21's profiler can crash another MultiWorkerMirrored rank when the trace stops (docs/known-issues.md, profiler).
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
     profiles = job_dir / "runs" / "t" / "tensorboard" / "profile"
