@@ -1,5 +1,6 @@
-"""The README's first command, verbatim, as a new user runs it: from the root of a fresh copy of the
-repository, and again from inside jobs/, on an embedded local Ray (even with another cluster up)."""
+"""The README's first command, verbatim, as a new user runs it: from inside jobs/ of a fresh copy of the
+repository, on an embedded local Ray (even with another cluster up). From the repository root it is
+.ci/run's first step (a clean clone, the same checks)."""
 import json
 import re
 import shlex
@@ -51,7 +52,7 @@ def check_digits_run(proc, copy: Path, jobs_before: set[str]) -> None:
     assert_quiet(proc)
 
 
-@pytest.mark.parametrize("where", ["the repository root", "inside jobs/"])
+@pytest.mark.parametrize("where", ["inside jobs/"])
 def test_readme_job_trains_digits_from_a_fresh_copy(cluster, fresh_copy, where):
     """With another Ray cluster already running on the machine (the test cluster), the job must still
     start its own embedded Ray rather than join that one."""

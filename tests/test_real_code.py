@@ -141,7 +141,7 @@ import time
 
 import tensorflow as tf
 
-EPOCH_S, STEPS = 13.0, 20
+EPOCH_S, STEPS = 9.0, 20
 
 
 class SlowSteps(tf.keras.callbacks.Callback):
@@ -229,7 +229,7 @@ def test_a_fit_longer_than_the_hang_timeout_lives_and_a_stuck_train_fn_is_caught
     assert "training hung: no progress from" in result["error"] and "for 4s" in result["error"], result["error"]
     epochs = result["history"]
     assert [e["epoch"] for e in epochs] == [1, 2], "the failed run keeps the epochs it trained"
-    assert all(e["seconds"] >= 3 * 4 for e in epochs), f"each epoch must outlast the hang timeout 3x: {epochs}"
+    assert all(e["seconds"] >= 2 * 4 for e in epochs), f"each epoch must outlast the hang timeout 2x: {epochs}"
     assert result["restarts"] == [] and [t["rank"] for t in result["tasks"]] == [0, 1]
     assert time.monotonic() - started < 200
 
