@@ -100,6 +100,9 @@ def test_a_host_whose_link_goes_down_mid_epoch_costs_one_restart_on_the_host_lef
                  failure={"max_restarts": 1, "elastic": {"min_workers": 1}})
     spec = yaml.safe_load(job.read_text())
     spec["cluster"]["reserve_timeout_s"] = 10
+    # The rank left alone learns of it from its collective rather than from Ray's node health checks, whose
+    # verdict took from ~25 s to 62 s here: a bound on the detection, not a race with them.
+    spec["cluster"]["collective_timeout_s"] = 15
     job.write_text(yaml.safe_dump(spec))
     run = subprocess.Popen(["ip", "netns", "exec", hosts.head.ns, str(BIN / "raytf"), "run", str(job), "--address",
                             hosts.gcs_address], env=hosts.env(), cwd=str(job_folder), stdout=subprocess.PIPE,
