@@ -99,7 +99,7 @@ def raytf_pipeline(folder: Path, batches: int) -> float:
                   "data": {"train": str(folder / "images.parquet"), "features": ["image"], "label": "label",
                            "decode": {"column": "image", "format": "jpeg", "channels": 3},
                            "preprocess": "bench_augment:augment"}})
-    info = data.describe(str(folder / "images.parquet"), ["image"], "label")
+    info = data.read_info(str(folder / "images.parquet"), ["image"], "label")
     payload = WorkerPayload(spec, train_data=info, train_root=info.root)
     shard = data.plan_shards([p.num_rows for p in info.pieces], 1)[0]
     ds = data.train_dataset(info, info.root, shard, BATCH, info.num_rows // BATCH, SHUFFLE, seed=0,

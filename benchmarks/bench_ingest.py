@@ -81,7 +81,7 @@ def ceiling(folder: Path, features: list[str], vector: bool) -> float:
 def raytf_pipeline(folder: Path, features: list[str], shuffle_buffer: int) -> float:
     from raytf import data
 
-    info = data.describe(str(folder), features, "label")
+    info = data.read_info(str(folder), features, "label")
     shard = data.plan_shards([p.num_rows for p in info.pieces], 1)[0]
     steps = info.num_rows // BATCH
     ds = data.train_dataset(info, str(folder), shard, BATCH, steps, shuffle_buffer, seed=0).take(steps)
@@ -122,7 +122,7 @@ def rss_mib():
         return int(f.read().split()[1]) * 4096 / 2**20
 
 folder, shuffle_buffer = sys.argv[1], int(sys.argv[2])
-info = data.describe(folder, ["x%d" % j for j in range(16)], "label")
+info = data.read_info(folder, ["x%d" % j for j in range(16)], "label")
 shard = data.plan_shards([p.num_rows for p in info.pieces], 1)[0]
 steps = info.num_rows // 256
 it = iter(data.train_dataset(info, folder, shard, 256, steps, shuffle_buffer, seed=0).take(steps))

@@ -261,7 +261,7 @@ def scan(path: str, key: str = "data") -> Scan:
     return Scan(root=path, schema=schema, pieces=tuple(pieces), null_counts=nulls, leaf_values=tuple(leaves))
 
 
-def describe(path: str, features: list[str], label: str, key: str = "data",
+def read_info(path: str, features: list[str], label: str, key: str = "data",
              fill_nulls: dict[str, float | str] | None = None) -> DatasetInfo:
     """Check the named columns against the metadata; SpecError on anything unusable."""
     fill_nulls = fill_nulls or {}

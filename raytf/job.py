@@ -196,7 +196,7 @@ def load(source: "str | Path | Mapping[str, Any] | JobSpec | Job",
         for split in ("train", "validation"):
             path = getattr(spec.data, split)
             if path is not None:
-                job.datasets[split] = data.describe(job.data_path(path), spec.data.features, spec.data.label,
+                job.datasets[split] = data.read_info(job.data_path(path), spec.data.features, spec.data.label,
                                                     key=f"data.{split}", fill_nulls=spec.data.fill_nulls)
                 data.check_images(job.datasets[split], spec.data.decode, key=f"data.{split}")
         check_labels(spec, job.datasets)
@@ -222,7 +222,7 @@ def load(source: "str | Path | Mapping[str, Any] | JobSpec | Job",
                             f"train.global_batch_size (or use data.remainder: pad)")
         if spec.train.steps_per_epoch is None and rows >= batch:
             try:  # the schedule against the steps the rows make (data.remainder: pad may add one)
-                learning_rate.plan(spec, rows // batch)
+                learning_rate.in_steps(spec, rows // batch)
             except ValueError as exc:
                 raise SpecError(f"{name}: {exc}") from None
     if check_code:

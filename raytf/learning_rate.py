@@ -1,6 +1,6 @@
-"""The learning rate a job trains with: the large-batch scaling rule and the schedule, planned in optimizer
-steps. Pure (no TensorFlow): the spec checks a plan before any actor starts, the sweep scales with the same
-rule, and the actor turns the plan into Keras's own schedule classes (raytf.actor.steps.build_schedule).
+"""The learning rate a job trains with: the large-batch scaling rule and the schedule, in optimizer steps
+(StepSchedule). Pure (no TensorFlow): the spec checks the schedule before any actor starts, the sweep scales
+with the same rule, and the actor turns it into Keras's own schedule classes (raytf.actor.schedules).
 
 Steps are optimizer steps (with train.accumulation_steps K, one per K micro-batches), the count Keras's
 optimizer keeps in `iterations` and a checkpoint saves, so a resumed job continues its schedule exactly.
@@ -31,7 +31,7 @@ def peak(spec: "JobSpec") -> float:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class StepSchedule:
     """A schedule in optimizer steps. warmup: a linear ramp over the first `warmup_steps` steps from
     warmup_start_factor x the rate at its end. decay_steps: cosine's decay length after the warmup, or the
     period of step/exponential. boundaries/values: piecewise, in steps."""
@@ -49,7 +49,7 @@ class Plan:
     values: tuple[float, ...] = ()
 
 
-def plan(spec: "JobSpec", steps_per_epoch: int) -> Plan:
+def in_steps(spec: "JobSpec", steps_per_epoch: int) -> StepSchedule:
     """The job's schedule for `steps_per_epoch` optimizer steps per epoch; a ValueError names a schedule
     that does not fit in training."""
     schedule = spec.optimizer.schedule
@@ -62,16 +62,16 @@ def plan(spec: "JobSpec", steps_per_epoch: int) -> Plan:
     common = dict(name=schedule.name, peak=rate, total_steps=total, warmup_steps=warmup,
                   warmup_start_factor=schedule.warmup.start_factor if schedule.warmup is not None else 0.0)
     if schedule.name == "constant":
-        return Plan(**common)
+        return StepSchedule(**common)
     if schedule.name == "cosine":
         decay = schedule.decay.in_steps(steps_per_epoch) if schedule.decay is not None else total - warmup
-        return Plan(**common, decay_steps=decay, alpha=schedule.alpha if schedule.alpha is not None else 0.0)
+        return StepSchedule(**common, decay_steps=decay, alpha=schedule.alpha if schedule.alpha is not None else 0.0)
     if schedule.name in ("step", "exponential"):
         factor = schedule.factor if schedule.factor is not None else 0.1  # step's default: /10 each period
-        return Plan(**common, decay_steps=schedule.every.in_steps(steps_per_epoch), factor=factor,
+        return StepSchedule(**common, decay_steps=schedule.every.in_steps(steps_per_epoch), factor=factor,
                     staircase=schedule.name == "step" or bool(schedule.staircase))
     boundaries = schedule.boundaries.in_steps(steps_per_epoch)  # piecewise
     if any(b <= a for a, b in zip(boundaries, boundaries[1:])):
         raise ValueError(f"optimizer.schedule.boundaries {schedule.boundaries.epochs} epochs fall on steps "
                          f"{boundaries} ({steps_per_epoch} per epoch): two boundaries share a step; space them out")
-    return Plan(**common, boundaries=tuple(boundaries), values=(rate, *(rate * f for f in schedule.factors)))
+    return StepSchedule(**common, boundaries=tuple(boundaries), values=(rate, *(rate * f for f in schedule.factors)))

@@ -53,5 +53,5 @@ def check(spec: JobSpec) -> None:
         raise ValueError(f"optimizer.schedule.warmup.epochs {warmup.epochs:g} is not shorter than train.epochs "
                          f"{spec.train.epochs}; warm up for a part of training, e.g. warmup: {{epochs: 1}}")
     if spec.train.steps_per_epoch is not None:
-        learning_rate.plan(spec, spec.train.steps_per_epoch)  # a schedule longer than training names itself
+        learning_rate.in_steps(spec, spec.train.steps_per_epoch)  # a schedule longer than training names itself
     backend.check_batch(spec)

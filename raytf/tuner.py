@@ -37,7 +37,7 @@ BEST_SPEC = "best.yaml"  # the best trial as a job spec, in output.dir
 
 
 @dataclasses.dataclass
-class Plan:
+class PreparedSweep:
     """A validated sweep: the base job, the tune section and one loaded Job per point."""
 
     source: str
@@ -69,7 +69,7 @@ def trial_bundles(spec: JobSpec) -> list[dict[str, float]]:
     return placement.job_bundles(spec)
 
 
-def prepare(source: "str | Path | Mapping[str, Any]", overrides: Mapping[str, Any] | None = None) -> Plan:
+def prepare(source: "str | Path | Mapping[str, Any]", overrides: Mapping[str, Any] | None = None) -> PreparedSweep:
     """Read, override and validate a sweep; load every point's job. No Ray; raises SpecError."""
     if isinstance(source, Mapping):
         raw, start, name = dict(source), Path.cwd(), "sweep"
@@ -103,25 +103,25 @@ def prepare(source: "str | Path | Mapping[str, Any]", overrides: Mapping[str, An
                 raise SpecError(f"point {point.id} {point.describe()} cannot run: {exc}") from None
     except SpecError as exc:
         raise SpecError(f"{name}: {exc}") from None
-    plan = Plan(name, job_raw, base, section, points, {p.id: jobs[p.id] for p in points}, rejected)
-    if section.scheduler is not None and section.scheduler.grace_period > plan.max_t:
+    prepared = PreparedSweep(name, job_raw, base, section, points, {p.id: jobs[p.id] for p in points}, rejected)
+    if section.scheduler is not None and section.scheduler.grace_period > prepared.max_t:
         raise SpecError(f"{name}: tune.scheduler.grace_period {section.scheduler.grace_period} is more than "
-                        f"max_t {plan.max_t} (epochs); lower grace_period or raise train.epochs")
-    return plan
+                        f"max_t {prepared.max_t} (epochs); lower grace_period or raise train.epochs")
+    return prepared
 
 
-def concurrency(plan: Plan, nodes: list[Mapping[str, float]]) -> int:
+def concurrency(prepared: PreparedSweep, nodes: list[Mapping[str, float]]) -> int:
     """tune.max_concurrent_trials as a number: given, or (auto) what the nodes hold of the largest trial."""
-    wanted = plan.section.max_concurrent_trials
+    wanted = prepared.section.max_concurrent_trials
     if wanted != "auto":
-        return min(wanted, len(plan.points))
-    shapes = [(trial_bundles(j.spec), j.spec.cluster.effective_placement) for j in plan.jobs.values()]
-    fit = sweep.auto_concurrency(nodes, shapes, len(plan.points))
+        return min(wanted, len(prepared.points))
+    shapes = [(trial_bundles(j.spec), j.spec.cluster.effective_placement) for j in prepared.jobs.values()]
+    fit = sweep.auto_concurrency(nodes, shapes, len(prepared.points))
     if fit == 0:
         bundles, strategy = next(s for s in shapes if sweep.trials_that_fit(nodes, s[0], s[1], limit=1) == 0)
         have = placement.total([{k: v for k, v in n.items() if k in ("CPU", "GPU")} for n in nodes])
         raise PlacementTimeout(
-            f"{plan.source}: no trial fits this cluster: one asks for {len(bundles)} bundles of {bundles[0]} "
+            f"{prepared.source}: no trial fits this cluster: one asks for {len(bundles)} bundles of {bundles[0]} "
             f"({strategy}); the cluster has {have} in {len(nodes)} node(s). Lower cluster.workers or the "
             f"per-worker resources, add nodes, or set tune.max_concurrent_trials to a number to wait for an "
             f"autoscaler to add them")
@@ -209,7 +209,7 @@ def _progress_callback(quiet: bool, descriptions: dict[str, str], metric: str, e
 # ---------------------------------------------------------------- the driver
 
 
-def run(plan: Plan, display: ProgressDisplay | None = None, resume: bool = False,
+def run(prepared: PreparedSweep, display: ProgressDisplay | None = None, resume: bool = False,
         verbose: bool = False) -> SweepResult:
     """Run (or, with `resume`, continue) the sweep on the Ray this process is connected to."""
     import ray
@@ -217,25 +217,25 @@ def run(plan: Plan, display: ProgressDisplay | None = None, resume: bool = False
     from ray.tune.schedulers import ASHAScheduler
 
     display = display or ProgressDisplay(quiet=True)
-    out = plan.output_dir
+    out = prepared.output_dir
     experiment = out / EXPERIMENT
-    restoring = _check_state(plan, resume, experiment, display)
+    restoring = _check_state(prepared, resume, experiment, display)
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-    limit = concurrency(plan, nodes)
-    display.message(f"raytf: sweep {plan.base.spec.name}: {len(plan.points)} trials, up to {limit} at once"
-                    + (f" ({len(plan.rejected)} random draws rejected)" if plan.rejected else "")
+    limit = concurrency(prepared, nodes)
+    display.message(f"raytf: sweep {prepared.base.spec.name}: {len(prepared.points)} trials, up to {limit} at once"
+                    + (f" ({len(prepared.rejected)} random draws rejected)" if prepared.rejected else "")
                     + f"; output {out}")
     packaging.mark_output(out)  # a later job in the same job folder leaves the sweep's outputs out
-    sweep_report.write_json(out / POINTS_FILE, _points_state(plan))
+    sweep_report.write_json(out / POINTS_FILE, _points_state(prepared))
 
-    code_env = packaging.upload_code(packaging.runtime_env(plan.base), verbose=verbose, note=display.message)
+    code_env = packaging.upload_code(packaging.runtime_env(prepared.base), verbose=verbose, note=display.message)
     _unpack_everywhere(code_env, display)
     factories = {pid: tune.PlacementGroupFactory([{"CPU": 0}, *trial_bundles(job.spec)],
                                                  strategy=job.spec.cluster.effective_placement.upper())
-                 for pid, job in plan.jobs.items()}
-    trainable = tune.with_resources(tune.with_parameters(_run_trial, jobs=plan.jobs, code_env=code_env),
+                 for pid, job in prepared.jobs.items()}
+    trainable = tune.with_resources(tune.with_parameters(_run_trial, jobs=prepared.jobs, code_env=code_env),
                                     resources=lambda config: factories[config["point"]])
-    section = plan.section
+    section = prepared.section
     started = time.time()
     if restoring:
         display.message(f"raytf: resuming the sweep in {experiment}")
@@ -245,12 +245,12 @@ def run(plan: Plan, display: ProgressDisplay | None = None, resume: bool = False
         if section.scheduler is not None:
             s = section.scheduler
             scheduler = ASHAScheduler(time_attr="training_iteration", grace_period=s.grace_period,
-                                      reduction_factor=s.reduction_factor, max_t=plan.max_t)
-        descriptions = {p.id: p.describe() for p in plan.points}
-        epochs = {pid: j.spec.train.epochs for pid, j in plan.jobs.items()}
+                                      reduction_factor=s.reduction_factor, max_t=prepared.max_t)
+        descriptions = {p.id: p.describe() for p in prepared.points}
+        epochs = {pid: j.spec.train.epochs for pid, j in prepared.jobs.items()}
         tuner = tune.Tuner(
             trainable,
-            param_space={"point": tune.grid_search([p.id for p in plan.points])},
+            param_space={"point": tune.grid_search([p.id for p in prepared.points])},
             tune_config=tune.TuneConfig(metric=section.metric, mode=section.mode, scheduler=scheduler,
                                         max_concurrent_trials=limit, trial_name_creator=_trial_name,
                                         trial_dirname_creator=_trial_name),
@@ -261,7 +261,7 @@ def run(plan: Plan, display: ProgressDisplay | None = None, resume: bool = False
     with _quiet_tune_console():
         tuner.fit()
     wall = time.time() - started
-    return _collect(plan, experiment, limit, started, wall, float(ray.cluster_resources().get("CPU", 0)))
+    return _collect(prepared, experiment, limit, started, wall, float(ray.cluster_resources().get("CPU", 0)))
 
 
 def _unpack_everywhere(code_env: dict[str, Any], display: ProgressDisplay, timeout_s: float = 120.0) -> None:
@@ -301,47 +301,47 @@ def _quiet_tune_console():
             os.environ["RAY_AIR_NEW_OUTPUT"] = before
 
 
-def _points_state(plan: Plan) -> list[dict[str, Any]]:
-    return json.loads(json.dumps([{"id": p.id, "values": p.values, "overrides": p.overrides} for p in plan.points]))
+def _points_state(prepared: PreparedSweep) -> list[dict[str, Any]]:
+    return json.loads(json.dumps([{"id": p.id, "values": p.values, "overrides": p.overrides} for p in prepared.points]))
 
 
-def _check_state(plan: Plan, resume: bool, experiment: Path, display: ProgressDisplay) -> bool:
+def _check_state(prepared: PreparedSweep, resume: bool, experiment: Path, display: ProgressDisplay) -> bool:
     """Whether to restore. A sweep folder that already holds a sweep needs --resume, and the same points."""
     from ray.tune import Tuner
 
     exists = Tuner.can_restore(str(experiment))
     if not resume:
         if exists:
-            raise SpecError(f"{plan.source}: output.dir {plan.output_dir} already holds a sweep; pass --resume to "
+            raise SpecError(f"{prepared.source}: output.dir {prepared.output_dir} already holds a sweep; pass --resume to "
                             f"continue it, or choose another output.dir (e.g. --set output.dir=...)")
         return False
     if not exists:
-        display.message(f"raytf: --resume: no sweep in {plan.output_dir} yet; starting it")
+        display.message(f"raytf: --resume: no sweep in {prepared.output_dir} yet; starting it")
         return False
-    saved_file = plan.output_dir / POINTS_FILE
+    saved_file = prepared.output_dir / POINTS_FILE
     saved = json.loads(saved_file.read_text()) if saved_file.exists() else None
-    if saved is not None and saved != _points_state(plan):
-        now = {p["id"]: p for p in _points_state(plan)}
+    if saved is not None and saved != _points_state(prepared):
+        now = {p["id"]: p for p in _points_state(prepared)}
         changed = next((p for p in saved if now.get(p["id"]) != p), saved[0] if saved else None)
         detail = f" (point {changed['id']} was {changed['values']}, now {now.get(changed['id'], {}).get('values')})" \
             if changed else ""
-        raise SpecError(f"{plan.source}: the sweep changed since it was started in {plan.output_dir}{detail}; "
+        raise SpecError(f"{prepared.source}: the sweep changed since it was started in {prepared.output_dir}{detail}; "
                         f"undo the change to resume it, or choose another output.dir")
     return True
 
 
-def _collect(plan: Plan, experiment: Path, limit: int, started: float, wall: float,
+def _collect(prepared: PreparedSweep, experiment: Path, limit: int, started: float, wall: float,
              cluster_cpus: float) -> SweepResult:
     """Rows from Tune's stored trials and raytf's result.json files; then every output of the sweep."""
     from ray.tune import ExperimentAnalysis
 
-    section = plan.section
+    section = prepared.section
     analysis = ExperimentAnalysis(str(experiment), default_metric=section.metric, default_mode=section.mode)
-    by_point = {p.id: p for p in plan.points}
+    by_point = {p.id: p for p in prepared.points}
     rows = []
     for trial in analysis.trials:
         pid = trial.config["point"]
-        point, job = by_point[pid], plan.jobs[pid]
+        point, job = by_point[pid], prepared.jobs[pid]
         frame = analysis.trial_dataframes.get(trial.trial_id)
         history = _history(frame, section.metric)
         last = trial.last_result or {}
@@ -369,35 +369,35 @@ def _collect(plan: Plan, experiment: Path, limit: int, started: float, wall: flo
         })
     rows.sort(key=lambda r: r["point"])
     best = sweep_report.best_row(rows, section.mode)
-    out = plan.output_dir
+    out = prepared.output_dir
     best_spec_path = None
     if best is not None:
         point = by_point[best["point"]]
         # It lives in output.dir, so base_dir points back at the job folder (its code, its data) and
         # output.dir (relative to that folder) at <sweep output>/best.
-        rel_out = _relative(out / "best", plan.base.job_dir)
-        base_dir = _relative(plan.base.job_dir, plan.best_spec_path.parent)
-        header = (f"The best trial of the sweep {plan.source} ({best['point']}: {section.metric} "
+        rel_out = _relative(out / "best", prepared.base.job_dir)
+        base_dir = _relative(prepared.base.job_dir, prepared.best_spec_path.parent)
+        header = (f"The best trial of the sweep {prepared.source} ({best['point']}: {section.metric} "
                   f"{best['final']:.4g} after {best['epochs']} epochs).\n"
-                  f"Run it: raytf run {_relative(plan.best_spec_path, Path.cwd())}")
-        text = sweep_report.best_spec_yaml(plan.job_raw, {**point.overrides, "name": f"{plan.base.spec.name}-best",
+                  f"Run it: raytf run {_relative(prepared.best_spec_path, Path.cwd())}")
+        text = sweep_report.best_spec_yaml(prepared.job_raw, {**point.overrides, "name": f"{prepared.base.spec.name}-best",
                                                           "base_dir": base_dir, "output.dir": rel_out}, header)
-        best_spec_path = str(sweep_report.write_text(plan.best_spec_path, text))
+        best_spec_path = str(sweep_report.write_text(prepared.best_spec_path, text))
     # Utilization of this run only: trials that finished in an earlier run (before a resume) do not count.
     busy = sum((r["time_s"] or 0) * r["cpus"] for r in rows if (r["reported_at"] or 0) >= int(started))
     utilization = busy / (wall * cluster_cpus) if wall > 0 and cluster_cpus > 0 else None
     space_keys = list(section.space)
     text_table = sweep_report.table(rows, section.metric, space_keys, best)
     plot_path = sweep_report.plot(rows, section.metric, section.mode, out / "sweep.png",
-                                  f"{plan.base.spec.name}: final {section.metric} ({section.mode})")
+                                  f"{prepared.base.spec.name}: final {section.metric} ({section.mode})")
     result = SweepResult(
-        name=plan.base.spec.name, metric=section.metric, mode=section.mode, output_dir=str(out), rows=rows,
+        name=prepared.base.spec.name, metric=section.metric, mode=section.mode, output_dir=str(out), rows=rows,
         best=best, best_spec_path=best_spec_path, best_model_path=best["model_path"] if best else None,
         best_exports=best["exports"] if best else {},
         sweep_json=str(out / "sweep.json"), plot_path=str(plot_path) if plot_path else None, table=text_table,
-        max_concurrent_trials=limit, rejected=plan.rejected, wall_s=round(wall, 3),
+        max_concurrent_trials=limit, rejected=prepared.rejected, wall_s=round(wall, 3),
         utilization=None if utilization is None else round(utilization, 4),
-        interrupted=any(r["status"] == sweep_report.UNFINISHED for r in rows) or len(rows) < len(plan.points))
+        interrupted=any(r["status"] == sweep_report.UNFINISHED for r in rows) or len(rows) < len(prepared.points))
     sweep_report.write_json(out / "sweep.json", result.to_dict())
     return result
 

@@ -14,7 +14,7 @@ def feed_of(path: str, features: list[str], label: str, fill_nulls: dict | None 
     """Every row of `path`'s feature columns as raytf feeds them (nulls filled, strings as bytes)."""
     import pyarrow.parquet as pq
 
-    info = data.describe(path, features, label, fill_nulls=fill_nulls)
+    info = data.read_info(path, features, label, fill_nulls=fill_nulls)
     table = pq.read_table(path, columns=features)
     out = {}
     for column in info.features:

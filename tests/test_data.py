@@ -61,7 +61,7 @@ def dataset_dir(tmp_path):
 
 
 def test_describe_reads_row_groups_and_column_types_from_metadata(dataset_dir):
-    info = data.describe(str(dataset_dir), ["x", "vec"], "y")
+    info = data.read_info(str(dataset_dir), ["x", "vec"], "y")
     assert info.num_rows == 38
     assert [p.num_rows for p in info.pieces] == [4, 4, 2, 3, 7, 7, 7, 4]
     assert info.files == ["part-0.parquet", "part-1.parquet", "part-2.parquet"]
@@ -77,23 +77,23 @@ def test_describe_reads_row_groups_and_column_types_from_metadata(dataset_dir):
 ])
 def test_bad_data_is_a_spec_error_naming_the_problem(tmp_path, dataset_dir, path, features, label, message):
     with pytest.raises(SpecError, match=re.escape(message)):
-        data.describe(str(tmp_path / path), features, label)
+        data.read_info(str(tmp_path / path), features, label)
 
 
 def test_empty_and_unconvertible_data_are_spec_errors(tmp_path):
     pq.write_table(pa.table({"x": pa.array([], pa.float32()), "y": pa.array([], pa.int64())}), tmp_path / "empty.parquet")
     with pytest.raises(SpecError, match="has no rows"):
-        data.describe(str(tmp_path / "empty.parquet"), ["x"], "y")
+        data.read_info(str(tmp_path / "empty.parquet"), ["x"], "y")
     pq.write_table(pa.table({"s": pa.array([{"a": 1}, {"a": 2}]), "y": [0, 1]}), tmp_path / "struct.parquet")
     with pytest.raises(SpecError, match="column 's' has type struct"):
-        data.describe(str(tmp_path / "struct.parquet"), ["s"], "y")
+        data.read_info(str(tmp_path / "struct.parquet"), ["s"], "y")
     (tmp_path / "junk.parquet").write_text("not parquet")
     with pytest.raises(SpecError, match="not a readable Parquet file"):
-        data.describe(str(tmp_path / "junk.parquet"), ["x"], "y")
+        data.read_info(str(tmp_path / "junk.parquet"), ["x"], "y")
 
 
 def test_worker_pipelines_read_each_row_once_across_workers(dataset_dir):
-    info = data.describe(str(dataset_dir), ["x", "vec"], "y")
+    info = data.read_info(str(dataset_dir), ["x", "vec"], "y")
     workers, batch = 3, 4
     shards = data.plan_shards([p.num_rows for p in info.pieces], workers)
     seen = []
@@ -107,7 +107,7 @@ def test_worker_pipelines_read_each_row_once_across_workers(dataset_dir):
 
 
 def test_train_pipeline_gives_exactly_the_planned_batches_per_epoch_reshuffled_each_epoch(dataset_dir):
-    info = data.describe(str(dataset_dir), ["x"], "y")
+    info = data.read_info(str(dataset_dir), ["x"], "y")
     shard = data.plan_shards([p.num_rows for p in info.pieces], 2)[0]  # 19 rows
     def epochs(seed, count=3):
         batches = [y.numpy().tolist() for _, y in data.train_dataset(info, str(dataset_dir), shard, 4, 4,
@@ -122,7 +122,7 @@ def test_train_pipeline_gives_exactly_the_planned_batches_per_epoch_reshuffled_e
 
 @pytest.mark.parametrize("shuffle_buffer", [0, 5, 1000])
 def test_an_epoch_longer_than_the_shard_rereads_it(dataset_dir, shuffle_buffer):
-    info = data.describe(str(dataset_dir), ["x"], "y")
+    info = data.read_info(str(dataset_dir), ["x"], "y")
     shard = data.plan_shards([p.num_rows for p in info.pieces], 2)[1]  # 19 rows: 19..37
     chunks = data.epoch_chunks(info, str(dataset_dir), shard, 30, shuffle_buffer, seed=0)
     rows = []
@@ -142,9 +142,9 @@ def test_nulls_are_reported_with_the_column_name():
 
 
 def test_globs_and_file_uris_find_the_same_rows(dataset_dir):
-    by_dir = data.describe(str(dataset_dir), ["x"], "y")
-    by_glob = data.describe(str(dataset_dir / "part-*.parquet"), ["x"], "y")
-    by_uri = data.describe(f"file://{dataset_dir}", ["x"], "y")
+    by_dir = data.read_info(str(dataset_dir), ["x"], "y")
+    by_glob = data.read_info(str(dataset_dir / "part-*.parquet"), ["x"], "y")
+    by_uri = data.read_info(f"file://{dataset_dir}", ["x"], "y")
     assert by_dir.num_rows == by_glob.num_rows == by_uri.num_rows == 38
     assert len(by_glob.pieces) == len(by_uri.pieces) == 8
 
@@ -153,7 +153,7 @@ def test_files_with_different_schemas_are_refused(tmp_path):
     pq.write_table(pa.table({"x": [1.0], "y": [0]}), tmp_path / "a.parquet")
     pq.write_table(pa.table({"x": [1.0], "z": [0]}), tmp_path / "b.parquet")
     with pytest.raises(SpecError, match=r"different schema .* \['y', 'z'\]"):
-        data.describe(str(tmp_path), ["x"], "y")
+        data.read_info(str(tmp_path), ["x"], "y")
 
 
 @pytest.fixture
@@ -165,8 +165,8 @@ def criteo_dir(tmp_path):
 
 def test_nulls_are_found_from_metadata_before_training_and_filled_when_asked(criteo_dir):
     with pytest.raises(SpecError, match=r"column 'I1' has [\d,]+ null values; set data.fill_nulls: \{I1: <value>\}"):
-        data.describe(str(criteo_dir), ["I1", "C1"], "label")
-    info = data.describe(str(criteo_dir), ["I1", "C1"], "label", fill_nulls={"I1": -1})
+        data.read_info(str(criteo_dir), ["I1", "C1"], "label")
+    info = data.read_info(str(criteo_dir), ["I1", "C1"], "label", fill_nulls={"I1": -1})
     assert info.features[0].fill == -1 and info.features[1].dtype == "string"
     shard = data.plan_shards([p.num_rows for p in info.pieces], 1)[0]
     i1, c1, label = (np.concatenate(parts) for parts in zip(*data.iter_shard(info, str(criteo_dir), shard)))
@@ -178,14 +178,14 @@ def test_nulls_are_found_from_metadata_before_training_and_filled_when_asked(cri
 def test_strings_reach_tensorflow_as_tf_string(criteo_dir):
     import tensorflow as tf
 
-    info = data.describe(str(criteo_dir), ["C1", "C2"], "label")
+    info = data.read_info(str(criteo_dir), ["C1", "C2"], "label")
     shard = data.plan_shards([p.num_rows for p in info.pieces], 2)[0]
     x, y = next(iter(data.train_dataset(info, str(criteo_dir), shard, 32, 4, shuffle_buffer=100, seed=0)))
     assert x["C1"].dtype == tf.string and x["C1"].shape == (32,) and y.shape == (32,)
 
 
 def test_pad_mode_gives_every_row_once_per_epoch_with_weights(dataset_dir):
-    info = data.describe(str(dataset_dir), ["x"], "y")
+    info = data.read_info(str(dataset_dir), ["x"], "y")
     shard = data.plan_shards([p.num_rows for p in info.pieces], 2)[0]  # 19 rows
     ds = data.train_dataset(info, str(dataset_dir), shard, 4, 5, shuffle_buffer=100, seed=3, pad=True)
     batches = list(ds.take(10))  # two epochs of 5 batches
@@ -217,7 +217,7 @@ def test_cli_data_commands(tmp_path):
 
 def test_parameter_server_records_hold_each_workers_shard_and_read_back_with_tf_ops_only(dataset_dir, tmp_path,
                                                                                         monkeypatch):
-    info = data.describe(str(dataset_dir), ["x", "vec"], "y")
+    info = data.read_info(str(dataset_dir), ["x", "vec"], "y")
     shards = data.plan_shards([p.num_rows for p in info.pieces], 2)
     for i, shard in enumerate(shards):  # as each worker actor does, in its own folder
         written = data.write_records(info, str(dataset_dir), shard, str(tmp_path / f"w{i}" / data.RECORDS_DIR / "t"),

@@ -59,7 +59,7 @@ def test_image_headers_say_format_size_and_channels():
 
 
 def test_binary_and_tensor_columns_get_their_shapes_from_the_schema(image_file):
-    info = data.describe(str(image_file), ["image", "tensor", "nested"], "label")
+    info = data.read_info(str(image_file), ["image", "tensor", "nested"], "label")
     assert [(c.name, c.dtype, c.shape) for c in info.features] == [
         ("image", "bytes", ()), ("tensor", "float32", (4, 4, 1)), ("nested", "float32", (2, 3))]
 
@@ -69,11 +69,11 @@ def test_a_ragged_nested_list_is_a_spec_error_naming_the_column_and_the_row_grou
     pq.write_table(pa.table({"x": pa.array(rows, pa.list_(pa.list_(pa.float32()))), "y": list(range(8))}),
                    tmp_path / "ragged.parquet", row_group_size=4)
     with pytest.raises(SpecError, match=r"column 'x' is ragged in row group 1: 15 values in 4 rows, not 4 per row"):
-        data.describe(str(tmp_path / "ragged.parquet"), ["x"], "y")
+        data.read_info(str(tmp_path / "ragged.parquet"), ["x"], "y")
     pq.write_table(pa.table({"x": pa.array(rows[4:], pa.list_(pa.list_(pa.float32()))), "y": list(range(4))}),
                    tmp_path / "first.parquet")
     with pytest.raises(SpecError, match=r"column 'x' is ragged in row group 0: its lists at depth 2 have lengths \[1, 2\]"):
-        data.describe(str(tmp_path / "first.parquet"), ["x"], "y")
+        data.read_info(str(tmp_path / "first.parquet"), ["x"], "y")
 
 
 def test_a_later_row_group_ragged_with_the_right_total_fails_when_read_naming_it(tmp_path):
@@ -81,7 +81,7 @@ def test_a_later_row_group_ragged_with_the_right_total_fails_when_read_naming_it
     path = tmp_path / "sly.parquet"
     pq.write_table(pa.table({"x": pa.array(rows, pa.list_(pa.list_(pa.float32()))), "y": list(range(8))}), path,
                    row_group_size=4)
-    info = data.describe(str(path), ["x"], "y")  # the footers' counts agree: only reading can tell
+    info = data.read_info(str(path), ["x"], "y")  # the footers' counts agree: only reading can tell
     with pytest.raises(ValueError, match=r"row group 1: column 'x' is ragged: its lists at depth 2 have lengths 1..3"):
         list(data.iter_shard(info, str(path), data.plan_shards([4, 4], 1)[0]))
 
@@ -146,7 +146,7 @@ def tf_side(image_file):
 
     def payload(**data_keys):
         spec = parse(image_spec(image_file.parent, **{"decode": {"column": "image", "format": "png"}, **data_keys}))
-        info = data.describe(str(image_file), ["image", "tensor", "id"], "label")
+        info = data.read_info(str(image_file), ["image", "tensor", "id"], "label")
         return WorkerPayload(spec, train_data=info, train_root=str(image_file), val_data=info, val_root=str(image_file))
 
     yield payload
@@ -219,7 +219,7 @@ def test_a_cache_serves_every_row_once_per_pass_without_reading_the_files_again(
     moved = tmp_path / "images.parquet"
     shutil.copy(tf_side().train_root, moved)
     payload = tf_side(cache=cache)
-    info = data.describe(str(moved), ["image", "tensor", "id"], "label")
+    info = data.read_info(str(moved), ["image", "tensor", "id"], "label")
     shard = data.plan_shards([p.num_rows for p in info.pieces], 1)[0]
     from raytf.actor.examples import Examples
 
@@ -263,7 +263,7 @@ def test_jpeg_columns_decode_too(tmp_path):
     pq.write_table(pa.table({"image": pa.array([encoded] * 4, pa.binary()), "label": [0, 1, 0, 1]}), tmp_path / "j.parquet")
     spec = parse({"name": "j", "model": "m:f", "data": {"train": str(tmp_path / "j.parquet"), "features": ["image"],
                   "label": "label", "decode": {"column": "image", "format": "jpeg", "channels": 1}}})
-    info = data.describe(str(tmp_path / "j.parquet"), ["image"], "label")
+    info = data.read_info(str(tmp_path / "j.parquet"), ["image"], "label")
     payload = WorkerPayload(spec, train_data=info, train_root=str(tmp_path / "j.parquet"))
     ds = data.eval_dataset(info, payload.train_root, data.plan_shards([4], 1)[0], 4, 1,
                            examples=Examples(payload, info, False))

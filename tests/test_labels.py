@@ -67,7 +67,7 @@ def one_hot_spec(**sections):
 @pytest.mark.timeout(30)
 def test_label_vectors_are_described_and_read_as_rows_of_their_width(tmp_path):
     path = one_hot_digits(tmp_path, "test")
-    info = data.describe(path, ["pixels"], "onehot")
+    info = data.read_info(path, ["pixels"], "onehot")
     assert info.label == data.Column("onehot", "float32", (10,)) and info.label.values == "float"
     columns = [np.concatenate(parts) for parts in zip(*data.iter_shard(info, path, data.plan_shards(
         [p.num_rows for p in info.pieces], 1)[0]))]
@@ -76,11 +76,11 @@ def test_label_vectors_are_described_and_read_as_rows_of_their_width(tmp_path):
     assert (columns[1].argmax(axis=1) == labels).all() and (columns[1].sum(axis=1) == 1).all()
 
     regression = regression_digits(tmp_path, "test")  # list<double> of equal lengths: shape from the first row group
-    info = data.describe(regression, ["pixels"], "target")
+    info = data.read_info(regression, ["pixels"], "target")
     assert info.label == data.Column("target", "float32", (3,))
     (tmp_path / "int").mkdir()
     integer = one_hot_digits(tmp_path / "int", "train", integer=True)
-    assert data.describe(integer, ["pixels"], "onehot").label.values == "integer"
+    assert data.read_info(integer, ["pixels"], "onehot").label.values == "integer"
 
 
 @pytest.mark.timeout(30)
@@ -88,10 +88,10 @@ def test_string_and_ragged_labels_are_still_refused(tmp_path):
     pq.write_table(pa.table({"x": [1.0, 2.0], "y": ["cat", "dog"]}), tmp_path / "s.parquet")
     with pytest.raises(SpecError, match=r"label 'y' has type string; the label must be numbers: one per row, or a "
                                         r"fixed-size list of them \(map string classes to integer ids first\)"):
-        data.describe(str(tmp_path / "s.parquet"), ["x"], "y")
+        data.read_info(str(tmp_path / "s.parquet"), ["x"], "y")
     pq.write_table(pa.table({"x": [1.0, 2.0], "y": [[1.0, 0.0], [1.0]]}), tmp_path / "r.parquet")
     with pytest.raises(SpecError, match="column 'y' is ragged"):
-        data.describe(str(tmp_path / "r.parquet"), ["x"], "y")
+        data.read_info(str(tmp_path / "r.parquet"), ["x"], "y")
 
 
 @pytest.mark.timeout(30)

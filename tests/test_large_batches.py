@@ -76,14 +76,14 @@ def test_the_scaling_rule_uses_the_effective_batch():
 
 @pytest.mark.timeout(30)
 def test_plans_convert_epochs_to_optimizer_steps():
-    cosine = learning_rate.plan(parse(base_spec(
+    cosine = learning_rate.in_steps(parse(base_spec(
         train={"epochs": 10}, optimizer={"learning_rate": 0.2, "schedule": {
             "name": "cosine", "alpha": 0.1, "warmup": {"epochs": 1.5, "start_factor": 0.25}}})), 20)
     assert (cosine.total_steps, cosine.warmup_steps, cosine.decay_steps, cosine.alpha) == (200, 30, 170, 0.1)
-    step = learning_rate.plan(parse(base_spec(train={"epochs": 10}, optimizer={
+    step = learning_rate.in_steps(parse(base_spec(train={"epochs": 10}, optimizer={
         "schedule": {"name": "step", "every": {"epochs": 3}}})), 20)
     assert (step.decay_steps, step.factor, step.staircase) == (60, 0.1, True)
-    piecewise = learning_rate.plan(parse(base_spec(train={"epochs": 10}, optimizer={"learning_rate": 1.0, "schedule": {
+    piecewise = learning_rate.in_steps(parse(base_spec(train={"epochs": 10}, optimizer={"learning_rate": 1.0, "schedule": {
         "name": "piecewise", "boundaries": {"epochs": [3, 6]}, "factors": [0.1, 0.01]}})), 20)
     assert piecewise.boundaries == (60, 120) and piecewise.values == pytest.approx((1.0, 0.1, 0.01))
 
@@ -94,22 +94,22 @@ def test_schedules_are_keras_own_and_the_warmup_ramps_into_them():
         built = schedules.build_schedule(plan)
         return [float(built(s)) if callable(built) else built for s in steps]
 
-    cosine = learning_rate.Plan("cosine", 0.2, 200, warmup_steps=30, warmup_start_factor=0.25, decay_steps=170,
+    cosine = learning_rate.StepSchedule("cosine", 0.2, 200, warmup_steps=30, warmup_start_factor=0.25, decay_steps=170,
                                 alpha=0.1)
     keras_cosine = keras.optimizers.schedules.CosineDecay(0.05, 170, alpha=0.1, warmup_target=0.2, warmup_steps=30)
     steps = [0, 1, 15, 29, 30, 31, 100, 199, 250]
     assert at(cosine, steps) == pytest.approx([float(keras_cosine(s)) for s in steps])
 
-    exponential = learning_rate.Plan("exponential", 0.1, 100, warmup_steps=10, decay_steps=20, factor=0.5)
+    exponential = learning_rate.StepSchedule("exponential", 0.1, 100, warmup_steps=10, decay_steps=20, factor=0.5)
     keras_exp = keras.optimizers.schedules.ExponentialDecay(0.1, 20, 0.5)
     after = float(keras_exp(10))
     assert at(exponential, [0, 5, 10, 50]) == pytest.approx([0.0, after / 2, after, float(keras_exp(50))])
 
-    piecewise = learning_rate.Plan("piecewise", 1.0, 100, warmup_steps=4, warmup_start_factor=0.5,
+    piecewise = learning_rate.StepSchedule("piecewise", 1.0, 100, warmup_steps=4, warmup_start_factor=0.5,
                                    boundaries=(60,), values=(1.0, 0.1))
     assert at(piecewise, [0, 2, 4, 60, 61]) == pytest.approx([0.5, 0.75, 1.0, 1.0, 0.1])
-    assert schedules.build_schedule(learning_rate.Plan("constant", 0.3, 100)) == 0.3
-    warm = schedules.build_schedule(learning_rate.Plan("constant", 0.3, 100, warmup_steps=3))
+    assert schedules.build_schedule(learning_rate.StepSchedule("constant", 0.3, 100)) == 0.3
+    warm = schedules.build_schedule(learning_rate.StepSchedule("constant", 0.3, 100, warmup_steps=3))
     restored = schedules.LinearWarmup.from_config(warm.get_config())
     assert [float(restored(s)) for s in (0, 1, 3, 9)] == pytest.approx([0.0, 0.1, 0.3, 0.3])
 

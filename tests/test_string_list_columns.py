@@ -22,7 +22,7 @@ def write_tags(path, rows=10, fixed=False, row_group_size=4):
 @pytest.mark.parametrize("fixed", [False, True])
 def test_a_list_of_strings_is_a_row_of_n_strings(tmp_path, fixed):
     tags = write_tags(tmp_path / "t.parquet", fixed=fixed)
-    info = data.describe(str(tmp_path / "t.parquet"), ["tags"], "label")
+    info = data.read_info(str(tmp_path / "t.parquet"), ["tags"], "label")
     assert info.features[0].dtype == "string" and info.features[0].shape == (3,)
     rows = [r for chunk in data.iter_shard(info, str(tmp_path / "t.parquet"), data.plan_shards([4, 4, 2], 1)[0])
             for r in zip(*chunk)]
@@ -36,12 +36,12 @@ def test_ragged_string_lists_and_null_strings_are_refused_naming_the_column(tmp_
                    tmp_path / "ragged.parquet")
     with pytest.raises(SpecError, match=r"column 'tags' is ragged in row group 0: its lists at depth 1 have "
                                         r"lengths \[1, 2\]"):
-        data.describe(str(tmp_path / "ragged.parquet"), ["tags"], "label")
+        data.read_info(str(tmp_path / "ragged.parquet"), ["tags"], "label")
     pq.write_table(pa.table({"tags": pa.array([["a", None], ["b", "c"]], pa.list_(pa.string())), "label": [0, 1]}),
                    tmp_path / "nulls.parquet")
     with pytest.raises(SpecError, match=r"column 'tags' has 1 null values"):  # from the footers, nothing read
-        data.describe(str(tmp_path / "nulls.parquet"), ["tags"], "label")
-    info = data.describe(str(tmp_path / "nulls.parquet"), ["tags"], "label", fill_nulls={"tags": ""})
+        data.read_info(str(tmp_path / "nulls.parquet"), ["tags"], "label")
+    info = data.read_info(str(tmp_path / "nulls.parquet"), ["tags"], "label", fill_nulls={"tags": ""})
     with pytest.raises(ValueError, match="column 'tags' has 1 null strings inside its lists"):
         next(data.iter_shard(info, str(tmp_path / "nulls.parquet"), data.plan_shards([2], 1)[0]))
 
@@ -49,7 +49,7 @@ def test_ragged_string_lists_and_null_strings_are_refused_naming_the_column(tmp_
 def test_parameter_server_records_carry_string_lists_as_batch_by_n_string_tensors(tmp_path, monkeypatch):
     """A parameter-server worker's TFRecords (written from its shard, read back with TF ops only)."""
     tags = write_tags(tmp_path / "t.parquet", rows=12, fixed=True)
-    info = data.describe(str(tmp_path / "t.parquet"), ["tags"], "label")
+    info = data.read_info(str(tmp_path / "t.parquet"), ["tags"], "label")
     shard = data.plan_shards([p.num_rows for p in info.pieces], 1)[0]
     assert data.write_records(info, str(tmp_path / "t.parquet"), shard, str(tmp_path / "w" / data.RECORDS_DIR / "t"),
                               chunk_rows=5) == 12
@@ -62,7 +62,7 @@ def test_parameter_server_records_carry_string_lists_as_batch_by_n_string_tensor
 def test_mirrored_pipelines_give_batch_by_n_string_tensors(tmp_path):
     """A worker's pipeline under MultiWorkerMirrored (pyarrow into tf.data): training and validation."""
     tags = write_tags(tmp_path / "t.parquet", rows=12)
-    info = data.describe(str(tmp_path / "t.parquet"), ["tags"], "label")
+    info = data.read_info(str(tmp_path / "t.parquet"), ["tags"], "label")
     shard = data.plan_shards([p.num_rows for p in info.pieces], 1)[0]
     x, y = next(iter(data.train_dataset(info, str(tmp_path / "t.parquet"), shard, 4, 3, shuffle_buffer=0, seed=0)))
     assert x.dtype.name == "string" and x.shape == (4, 3) and [v.decode() for v in x.numpy()[0]] == tags[int(y[0])]

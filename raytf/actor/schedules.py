@@ -1,12 +1,13 @@
-"""A learning-rate plan (raytf.learning_rate.Plan) as Keras's own schedule classes, plus the one Keras
-lacks: a linear warmup in front of any schedule. Keras evaluates a schedule at `optimizer.iterations`,
-which raytf advances once per optimizer step (once per train.accumulation_steps micro-batches)."""
+"""A learning-rate schedule in optimizer steps (raytf.learning_rate.StepSchedule) as Keras's own schedule
+classes, plus the one Keras lacks: a linear warmup in front of any schedule. Keras evaluates a schedule at
+`optimizer.iterations`, which raytf advances once per optimizer step (once per train.accumulation_steps
+micro-batches)."""
 from __future__ import annotations
 
 import keras
 from keras.optimizers import schedules
 
-from raytf.learning_rate import Plan
+from raytf.learning_rate import StepSchedule
 
 
 @keras.saving.register_keras_serializable(package="raytf")
@@ -39,21 +40,21 @@ class LinearWarmup(schedules.LearningRateSchedule):
         return cls(after, config["warmup_steps"], config["start_factor"])
 
 
-def build_schedule(plan: Plan):
-    """The plan as what a Keras optimizer takes for learning_rate: a float (constant, no warmup) or a
+def build_schedule(schedule: StepSchedule):
+    """`schedule` as what a Keras optimizer takes for learning_rate: a float (constant, no warmup) or a
     LearningRateSchedule."""
-    if plan.name == "cosine":  # Keras's CosineDecay has its own warmup, and decays after it
-        if plan.warmup_steps:
-            return schedules.CosineDecay(plan.warmup_start_factor * plan.peak, plan.decay_steps, alpha=plan.alpha,
-                                         warmup_target=plan.peak, warmup_steps=plan.warmup_steps)
-        return schedules.CosineDecay(plan.peak, plan.decay_steps, alpha=plan.alpha)
-    if plan.name in ("step", "exponential"):
-        after = schedules.ExponentialDecay(plan.peak, plan.decay_steps, plan.factor, staircase=plan.staircase)
-    elif plan.name == "piecewise":
-        after = schedules.PiecewiseConstantDecay(list(plan.boundaries), list(plan.values))
+    if schedule.name == "cosine":  # Keras's CosineDecay has its own warmup, and decays after it
+        if schedule.warmup_steps:
+            return schedules.CosineDecay(schedule.warmup_start_factor * schedule.peak, schedule.decay_steps, alpha=schedule.alpha,
+                                         warmup_target=schedule.peak, warmup_steps=schedule.warmup_steps)
+        return schedules.CosineDecay(schedule.peak, schedule.decay_steps, alpha=schedule.alpha)
+    if schedule.name in ("step", "exponential"):
+        after = schedules.ExponentialDecay(schedule.peak, schedule.decay_steps, schedule.factor, staircase=schedule.staircase)
+    elif schedule.name == "piecewise":
+        after = schedules.PiecewiseConstantDecay(list(schedule.boundaries), list(schedule.values))
     else:
-        after = plan.peak
-    return LinearWarmup(after, plan.warmup_steps, plan.warmup_start_factor) if plan.warmup_steps else after
+        after = schedule.peak
+    return LinearWarmup(after, schedule.warmup_steps, schedule.warmup_start_factor) if schedule.warmup_steps else after
 
 
 def learning_rate_at(optimizer, step: int) -> float:

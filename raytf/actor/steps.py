@@ -93,7 +93,7 @@ def build_variables(model: keras.Model, payload) -> None:
 
 def build_optimizer(spec: JobSpec, steps_per_epoch: int) -> keras.optimizers.Optimizer:
     """The spec's optimizer, its learning rate scaled (optimizer.scale_lr) and scheduled in optimizer steps."""
-    rate = schedules.build_schedule(learning_rate.plan(spec, steps_per_epoch))
+    rate = schedules.build_schedule(learning_rate.in_steps(spec, steps_per_epoch))
     optimizer = keras.optimizers.get({"class_name": spec.optimizer.name,
                                       "config": {"learning_rate": rate, **spec.optimizer.options}})
     if spec.train.precision == "mixed_float16":  # float16 gradients underflow without loss scaling
