@@ -4,6 +4,7 @@ No TensorFlow import here: the driver builds payloads, actors build contexts.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import threading
@@ -11,7 +12,7 @@ import time
 from typing import Any, Callable
 
 from raytf.errors import NonFiniteLoss
-from raytf.protocol import WorkerPayload
+from raytf.protocol import DrainStop, Progress, StopAnswer, WorkerPayload
 from raytf.spec import JobSpec
 
 
@@ -26,8 +27,8 @@ class StopTraining(BaseException):
     """Raised out of a train_fn's ctx.step at the step a drain notice set, once the checkpoint there is
     written; raytf catches it. A BaseException, so a train_fn's `except Exception` does not swallow it."""
 
-    def __init__(self, info: dict[str, Any]):
-        super().__init__(f"stopped at step {info['step']} for a drain notice")
+    def __init__(self, info: DrainStop):
+        super().__init__(f"stopped at step {info.step} for a drain notice")
         self.info = info
 
 
@@ -68,8 +69,7 @@ class TaskContext:
         self._lock = threading.Lock()
         self._report_interval_s = report_interval_s
         self._last_report = (0.0, 0)  # (when, global step) of the last full progress report
-        self._progress: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "phase": "starting", "global_step": 0,
-                                          "updated": time.time()}
+        self._progress = Progress(rank=rank, pid=os.getpid(), updated=time.time())
         self.first_step_at: float | None = None
         self._epoch_started = time.time()  # a train_fn's epoch, for report()
         self._epochs: list[dict[str, Any]] = []
@@ -79,7 +79,7 @@ class TaskContext:
         self._last_step = 0  # the last step the loop finished, as stop_due saw it
 
     # -- a drain notice (raytf.driver.controller): every loop-running rank stops at one common step
-    def request_stop(self, step: int) -> dict[str, Any]:
+    def request_stop(self, step: int) -> StopAnswer:
         """Stop after optimizer step `step`. Accepted only while the loop has not finished it yet (it may
         be inside the step after the last one it finished), so every rank that accepts stops at exactly
         `step`; the driver gives up on the checkpoint when one does not accept."""
@@ -87,7 +87,7 @@ class TaskContext:
             accepted = step > self._last_step
             if accepted:
                 self._stop_at, self.stop_requested_at = step, time.time()
-            return {"accepted": accepted, "step": self._last_step}
+            return StopAnswer(accepted, self._last_step)
 
     def stop_due(self, step: int) -> bool:
         """Called by the loop after each optimizer step (`step`: done so far): whether to stop here."""
@@ -102,7 +102,7 @@ class TaskContext:
     def checkpointed(self, seconds: float) -> None:
         """How long the last checkpoint took: the driver compares it with a draining node's deadline."""
         with self._lock:
-            self._progress["checkpoint_s"] = round(seconds, 3)
+            self._progress = dataclasses.replace(self._progress, checkpoint_s=round(seconds, 3))
 
     # -- progress, called by raytf's loop on every step; cheap unless a report is due
     def train_step(self, epoch: int, step: int, steps: int | None, global_step: int, loss, examples: int) -> None:
@@ -112,46 +112,46 @@ class TaskContext:
             self.first_step_at = now
         if now - self._last_report[0] < self._report_interval_s and step != steps:
             with self._lock:
-                self._progress["global_step"], self._progress["updated"] = global_step, now
+                self._progress = dataclasses.replace(self._progress, global_step=global_step, updated=now)
             return
         (then, step_then), self._last_report = self._last_report, (now, global_step)
         rate = (global_step - step_then) / (now - then) if then and now > then else None
         with self._lock:
-            self._progress.update(phase="train", epoch=epoch, step=step, steps=steps, global_step=global_step,
-                                  loss=float("nan") if loss is None else float(loss),
-                                  examples_seen=examples * global_step, updated=now)
-            if rate is not None:
-                self._progress["steps_per_s"] = round(rate, 2)  # since the last report: a drain's stop step
+            self._progress = dataclasses.replace(
+                self._progress, phase="train", epoch=epoch, step=step, steps=steps, global_step=global_step,
+                loss=float("nan") if loss is None else float(loss), examples_seen=examples * global_step, updated=now,
+                # since the last report: a drain's stop step
+                steps_per_s=round(rate, 2) if rate is not None else self._progress.steps_per_s)
 
     def work_done(self) -> None:
         """A unit of work finished that is not an optimizer step this task took (a parameter-server worker
         ran a function the chief's train_fn scheduled): progress for the hang watchdog."""
         with self._lock:
-            self._progress["work_done"] = self._progress.get("work_done", 0) + 1
+            self._progress = dataclasses.replace(self._progress, work_done=self._progress.work_done + 1)
 
     def phase(self, name: str) -> None:
         """A named stretch of work (validating, checkpointing, restoring): progress for the hang watchdog."""
         with self._lock:
-            self._progress.update(phase=name, updated=time.time())
+            self._progress = dataclasses.replace(self._progress, phase=name, updated=time.time())
         self._last_report = (0.0, 0)  # steps_per_s starts over after this: it measures stepping only
 
     def epoch_end(self, metrics: dict[str, Any]) -> None:
         with self._lock:
             self._epochs.append(dict(metrics))
-            self._progress.update(phase="epoch_end", updated=time.time())
+            self._progress = dataclasses.replace(self._progress, phase="epoch_end", updated=time.time())
         self._last_report = (0.0, 0)
 
     def evaluation(self, metrics: dict[str, Any]) -> None:
         """The evaluator side-car's result for one checkpoint."""
         with self._lock:
             self._evaluations.append(dict(metrics))
-            self._progress.update(phase="evaluated", updated=time.time())
+            self._progress = dataclasses.replace(self._progress, phase="evaluated", updated=time.time())
 
-    def progress(self) -> dict[str, Any]:
+    def progress(self) -> Progress:
         """The latest step, and every epoch's metrics so far (so a slow poller misses none)."""
-        with self._lock:  # cpu_s: the process's CPU time, the watchdog's sign of life where no step is said
-            return {**self._progress, "epochs": list(self._epochs), "evaluations": list(self._evaluations),
-                    "cpu_s": time.process_time()}
+        with self._lock:
+            return dataclasses.replace(self._progress, epochs=tuple(self._epochs), evaluations=tuple(self._evaluations),
+                                       cpu_s=time.process_time())
 
     # -- for train_fn users
     def step(self, step: int, loss=None) -> None:

@@ -9,6 +9,7 @@ raytf.checkpoint.Storage, and progress for the watchdog. A strategy supplies a `
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -22,7 +23,7 @@ import tensorflow as tf
 from raytf.actor import schedules
 from raytf.actor import steps as steps_lib
 from raytf.actor.context import TaskContext, check_loss
-from raytf.protocol import WorkerPayload
+from raytf.protocol import CheckpointSaved, DrainStop, Outcome, WorkerPayload
 from raytf.checkpoint import META, CheckpointInfo, Storage
 from raytf.errors import CheckpointCorrupt, CheckpointMismatch, NonFiniteWeights
 
@@ -49,7 +50,7 @@ class Runner(Protocol):
     def check_restorable(self, meta: dict[str, Any], path: str) -> None: ...
     def final_checkpoint_needed(self) -> bool: ...
     def timing(self) -> dict[str, dict[str, float]]: ...  # "worker-<i>" -> input wait, step time, steps so far
-    def finish(self) -> dict[str, Any]: ...  # save the model; the outcome's strategy-specific part
+    def finish(self) -> Outcome: ...  # save the model; the outcome's strategy-specific part
 
 
 class Position:
@@ -61,7 +62,7 @@ class Position:
         self.totals = totals
 
 
-def run(runner: Runner, payload: WorkerPayload, ctx: TaskContext) -> dict[str, Any]:
+def run(runner: Runner, payload: WorkerPayload, ctx: TaskContext) -> Outcome:
     spec = payload.spec
     checkpoints = Checkpoints(runner, payload, ctx)
     position = checkpoints.restore()
@@ -114,10 +115,8 @@ def run(runner: Runner, payload: WorkerPayload, ctx: TaskContext) -> dict[str, A
             checkpoints.save(global_step, epoch + 1, 0, history)
     trace.close()
     check_weights(spec, getattr(runner, "model", None), spec.train.epochs, global_step if history else 0, ctx.rank)
-    outcome = runner.finish()
-    outcome.update(history=history, steps=global_step, steps_run=global_step - position.global_step,
-                   timing=runner.timing())
-    return outcome
+    return dataclasses.replace(runner.finish(), history=history, steps=global_step,
+                               steps_run=global_step - position.global_step, timing=runner.timing())
 
 
 def check_weights(spec, model, epoch: int, step: int, rank: int) -> None:
@@ -136,7 +135,7 @@ def check_weights(spec, model, epoch: int, step: int, rank: int) -> None:
 
 
 def stopped(runner: Runner, checkpoints: "Checkpoints", ctx: TaskContext, global_step: int, epoch: int, step: int,
-            history: list, position: Position) -> dict[str, Any]:
+            history: list, position: Position) -> Outcome:
     """The loop stopped at the step a drain notice set: checkpoint there (a mid-epoch checkpoint, its metric
     sums included; at an epoch's last step too, so the resumed attempt ends that epoch), and return."""
     saved, reached = None, time.time()
@@ -144,10 +143,9 @@ def stopped(runner: Runner, checkpoints: "Checkpoints", ctx: TaskContext, global
         runner.sync_state()
         started = time.time()
         checkpoints.save(global_step, epoch, step, history, runner.epoch_totals())
-        saved = {"step": global_step, "seconds": round(time.time() - started, 3)}
-    return {"preempted": {"step": global_step, "saved": saved, "request_to_step_s": round(reached - ctx.stop_requested_at, 3)},
-            "history": history, "steps": global_step,
-            "steps_run": global_step - position.global_step}
+        saved = CheckpointSaved(global_step, round(time.time() - started, 3))
+    return Outcome(preempted=DrainStop(global_step, saved, round(reached - ctx.stop_requested_at, 3)),
+                   history=history, steps=global_step, steps_run=global_step - position.global_step)
 
 
 class TimingEvents:

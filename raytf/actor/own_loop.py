@@ -25,7 +25,7 @@ from raytf import backends
 from raytf.actor import loop
 from raytf.actor import steps as steps_lib
 from raytf.actor.context import StopTraining, TaskContext
-from raytf.protocol import WorkerPayload
+from raytf.protocol import CheckpointSaved, DrainStop, Outcome, WorkerPayload
 from raytf.actor.inputs import InputPlan
 from raytf.checkpoint import Storage
 from raytf.job_code import LEGACY_INSTALL
@@ -35,7 +35,7 @@ KERAS3_FIT_ERROR = "Attempt to convert a value (PerReplica"
 
 
 def run(strategy: tf.distribute.Strategy, payload: WorkerPayload, ctx: TaskContext,
-        own_loop: "type[OwnLoop] | None" = None) -> dict[str, Any]:
+        own_loop: "type[OwnLoop] | None" = None) -> Outcome:
     """Run the train_fn; `own_loop`: the class behind its ctx (default: MultiWorkerMirrored's)."""
     spec = payload.spec
     ctx.strategy = strategy
@@ -55,8 +55,8 @@ def run(strategy: tf.distribute.Strategy, payload: WorkerPayload, ctx: TaskConte
         payload.function("train_fn")(ctx)
         ctx.own_loop.finish()
     except StopTraining as stop:  # a drain notice: the checkpoint at the common step is written
-        return {"preempted": stop.info, "history": ctx.history, "steps": stop.info["step"],
-                "steps_run": stop.info["step"] - ctx.restored_step}
+        return Outcome(preempted=stop.info, history=ctx.history, steps=stop.info.step,
+                       steps_run=stop.info.step - ctx.restored_step)
     except Exception as exc:
         if KERAS3_FIT_ERROR in str(exc):
             raise RuntimeError(
@@ -68,8 +68,8 @@ def run(strategy: tf.distribute.Strategy, payload: WorkerPayload, ctx: TaskConte
     finally:
         ctx.own_loop.close()
     digest = steps_lib.weights_digest(ctx.saved_model) if ctx.saved_model is not None else None
-    return {"history": ctx.history, "weights_digest": digest, "steps": ctx.global_step,
-            "steps_run": ctx.global_step - ctx.restored_step, "replicas": ctx.num_replicas, "exports": ctx.exports}
+    return Outcome(history=ctx.history, weights_digest=digest, steps=ctx.global_step,
+                   steps_run=ctx.global_step - ctx.restored_step, replicas=ctx.num_replicas, exports=ctx.exports)
 
 
 class OwnLoop:
@@ -152,8 +152,8 @@ class OwnLoop:
             started = time.time()
             if ckpt.saved_step != step:  # the train_fn may have saved this very step itself
                 ckpt.save(step)
-            saved = {"step": step, "seconds": round(time.time() - started, 3)}
-        raise StopTraining({"step": step, "saved": saved})
+            saved = CheckpointSaved(step, round(time.time() - started, 3))
+        raise StopTraining(DrainStop(step, saved))
 
 
 class LoopCheckpoint:

@@ -17,6 +17,7 @@ parameter-server tutorial has them; ps and worker tasks serve TF's gRPC server a
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -26,12 +27,12 @@ from raytf import data
 from raytf.actor import own_loop
 from raytf.actor import inputs
 from raytf.actor.context import TaskContext
-from raytf.protocol import WorkerPayload
+from raytf.protocol import Outcome, WorkerPayload
 from raytf.actor.examples import Examples
 from raytf.actor.ps_common import CHIEF_DEVICE, WORKER_INDEX_FILE, partitioner, watch_recoveries
 
 
-def run(payload: WorkerPayload, ctx: TaskContext) -> dict[str, Any]:
+def run(payload: WorkerPayload, ctx: TaskContext) -> Outcome:
     recoveries = watch_recoveries()
     strategy = tf.distribute.ParameterServerStrategy(tf.distribute.cluster_resolver.TFConfigClusterResolver(),
                                                      variable_partitioner=partitioner(payload.spec))
@@ -40,8 +41,7 @@ def run(payload: WorkerPayload, ctx: TaskContext) -> dict[str, Any]:
     ctx.coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
     count_finished_steps(ctx.coordinator, ctx)
     outcome = own_loop.run(strategy, payload, ctx, ParameterServerOwnLoop)
-    outcome["recovered_workers"] = recoveries.recovered
-    return outcome
+    return dataclasses.replace(outcome, recovered_workers=recoveries.recovered)
 
 
 def count_finished_steps(coordinator, ctx: TaskContext) -> None:

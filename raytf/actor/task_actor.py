@@ -5,6 +5,7 @@ TensorFlow is imported only in `setup`, after TF_CONFIG is in the environment.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import socket
@@ -17,7 +18,7 @@ import ray
 
 from raytf.actor import raised, scratch, workdir
 from raytf.actor.context import TaskContext
-from raytf.protocol import WorkerPayload
+from raytf.protocol import Outcome, Progress, StopAnswer, WorkerPayload
 from raytf.rendezvous import ActorReport, Task
 
 
@@ -128,17 +129,16 @@ class TaskActor:
         """Remove, in the background, the folders of this node's dead tasks, beside this one's."""
         threading.Thread(target=scratch.sweep, args=(os.path.dirname(self._scratch.path),), daemon=True).start()
 
-    def train(self, payload: WorkerPayload) -> dict[str, Any]:
+    def train(self, payload: WorkerPayload) -> Outcome:
         started = time.time()
         try:
             try:
                 outcome = self._backend.train(self._started, self._task, payload, self._ctx)
             except Exception as exc:
                 raise raised.capture(exc, [self._job_root, payload.job_dir]) from None
-            outcome.update(rank=self._ctx.rank, started_at=started, finished_at=time.time(),
-                           first_step_at=self._ctx.first_step_at)
-            outcome["artifacts"] = _collect(self._staging)  # the chief's model and events; any rank's profile
-            return outcome
+            # artifacts: the chief's model and events; any rank's profile
+            return dataclasses.replace(outcome, rank=self._ctx.rank, started_at=started, finished_at=time.time(),
+                                       first_step_at=self._ctx.first_step_at, artifacts=_collect(self._staging))
         finally:  # the task's files on this node (data.cache: disk may be gigabytes), also when training failed
             self.cleanup()
             self._sweep_node()  # those of tasks killed in this job (a restart's) are gone by now
@@ -151,15 +151,15 @@ class TaskActor:
             os.chdir(self._job_root)  # out of the folder being removed
             self._scratch.remove()
 
-    def stop_at(self, step: int) -> dict[str, Any]:
+    def stop_at(self, step: int) -> StopAnswer:
         """A drain notice: stop training after optimizer step `step` and checkpoint there (answered while
-        train runs, like progress). {"accepted": ..., "step": the last step this task finished}."""
+        train runs, like progress)."""
         if self._ctx is None:
-            return {"accepted": False, "step": 0}
+            return StopAnswer(False, 0)
         return self._ctx.request_stop(step)
 
-    def progress(self) -> dict[str, Any]:
-        return self._ctx.progress() if self._ctx else {"phase": "starting", "updated": time.time()}
+    def progress(self) -> Progress:
+        return self._ctx.progress() if self._ctx else Progress(updated=time.time())
 
 
 def _name_this_actor(name: str) -> None:

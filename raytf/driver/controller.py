@@ -16,7 +16,7 @@ import time
 from typing import Any, Callable
 
 from raytf import backends
-from raytf.protocol import WorkerPayload
+from raytf.protocol import DrainStop, Outcome, Progress, WorkerPayload
 from raytf.checkpoint import Storage, resume_note
 from raytf.driver import failure as failure_lib
 from raytf.driver.failure import Failure
@@ -96,10 +96,10 @@ class _Rate:
         self._prev: tuple[float, int] | None = None
         self.value: float | None = None
 
-    def update(self, p: dict[str, Any] | None) -> float | None:
-        if not p or "examples_seen" not in p:
+    def update(self, p: Progress | None) -> float | None:
+        if p is None or p.examples_seen is None:
             return self.value
-        point = (p["updated"], p["examples_seen"])
+        point = (p.updated, p.examples_seen)
         if self._prev and point[0] > self._prev[0] and point[1] > self._prev[1]:
             self.value = (point[1] - self._prev[1]) / (point[0] - self._prev[0])
         if not self._prev or point[1] != self._prev[1]:
@@ -141,7 +141,7 @@ class _Attempt:
     task_of: dict = dataclasses.field(default_factory=dict)  # train handle -> task
     awaited: list = dataclasses.field(default_factory=list)  # handles the attempt waits for
     side: list = dataclasses.field(default_factory=list)  # handles not waited for whose failure is handled
-    outcomes: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)  # by rank
+    outcomes: dict[int, Outcome] = dataclasses.field(default_factory=dict)  # by rank
     progress_seen: dict[int, Heard] = dataclasses.field(default_factory=dict)  # watched rank -> its last progress
     training_done_at: float | None = None  # every hang-watched task returned (an evaluator may go on)
     replacing: list[_Replacement] = dataclasses.field(default_factory=list)
@@ -342,10 +342,10 @@ class Controller:
             for rank in a.progress_seen:
                 p = progress[rank]
                 if p is not None and rank not in a.outcomes:
-                    marker = (p.get("phase"), p.get("global_step"), p.get("work_done"))
-                    a.progress_seen[rank] = heard(a.progress_seen[rank], marker, p.get("cpu_s"), now, hang_timeout_s,
+                    marker = (p.phase, p.global_step, p.work_done)
+                    a.progress_seen[rank] = heard(a.progress_seen[rank], marker, p.cpu_s, now, hang_timeout_s,
                                                   self.limits)
-            a.last_step = max([a.last_step] + [p.get("global_step", 0) for p in progress if p])
+            a.last_step = max([a.last_step] + [p.global_step for p in progress if p])
             if self._watch_drains(progress, now):
                 return  # the attempt ended for a drained node
             hung = stalled({r: seen.at for r, seen in a.progress_seen.items() if r not in a.outcomes}, now,
@@ -357,8 +357,8 @@ class Controller:
                                             sorted({a.tasks[r].node_ip for r in hung}))
             chief = progress[0]
             if chief is not None:
-                self.epochs.feed(chief.get("epochs", []))
-                if not a.standby_armed and chief.get("global_step", 0) > 0:
+                self.epochs.feed(chief.epochs)
+                if not a.standby_armed and chief.global_step > 0:
                     self._arm_standby()
                 self.display.update(chief, self._rate.update(chief))
         elif now - a.training_done_at > hang_timeout_s:  # only side-cars are left
@@ -367,8 +367,8 @@ class Controller:
                 self.result.evaluations_error = (f"the {task.role} did not finish within {hang_timeout_s:g}s "
                                                  f"(failure.hang_timeout_s) after training ended")
                 self.display.message(f"raytf: {self.result.evaluations_error}; stopping it")
-                final = (progress[task.rank] or {}).get("evaluations", [])
-                a.outcomes[task.rank] = {"evaluations": final, "history": []}
+                final = progress[task.rank].evaluations if progress[task.rank] else ()
+                a.outcomes[task.rank] = Outcome(evaluations=list(final))
                 a.awaited.remove(handle)
             return self._finish()
 
@@ -381,9 +381,9 @@ class Controller:
         (a.awaited if awaited else a.side).remove(finished.handle)
         if finished.error is None:
             a.outcomes[task.rank] = finished.outcome
-            if "preempted" in finished.outcome:  # stopped for a drain notice, its checkpoint written
+            if finished.outcome.preempted is not None:  # stopped for a drain notice, its checkpoint written
                 if task.rank == 0:  # the chief uploads the checkpoint: once it returns, it is there
-                    self._end_preempted(finished.outcome["preempted"])
+                    self._end_preempted(finished.outcome.preempted)
                     return True
                 return False
             if all(rank in a.outcomes for rank in a.progress_seen):  # side-cars (an evaluator) may go on
@@ -501,11 +501,11 @@ class Controller:
                                  f"node goes")
             return False
         loop_ranks = sorted(a.progress_seen)
-        checkpoint_s = max([p.get("checkpoint_s", 0.0) for p in progress if p] + [self._checkpoint_s or 0.0]) or None
+        checkpoint_s = max([p.checkpoint_s or 0.0 for p in progress if p] + [self._checkpoint_s or 0.0]) or None
         seconds_left = None if notice.deadline is None else notice.deadline - now
         answered = [progress[r] for r in loop_ranks if progress[r] is not None]
-        rates = [p["steps_per_s"] for p in answered if p.get("steps_per_s")]
-        steps = [p.get("global_step", 0) for p in answered]
+        rates = [p.steps_per_s for p in answered if p.steps_per_s]
+        steps = [p.global_step for p in answered]
         target = stop_step(steps, max(rates, default=None), self.limits.preempt_margin_s)
         # the slowest rank's way to the stop step, at the slowest rate (no rate yet: the margin)
         to_stop_s = (target - min(steps, default=0)) / min(rates) if rates else self.limits.preempt_margin_s
@@ -514,7 +514,7 @@ class Controller:
                             f"{checkpoint_s:.1f}s)", said)
             return True
         answers = a.group.stop_at(loop_ranks, target, self.limits.progress_timeout_s)
-        refused = [r for r, answer in zip(loop_ranks, answers) if not (answer and answer["accepted"])]
+        refused = [r for r, answer in zip(loop_ranks, answers) if not (answer and answer.accepted)]
         if refused:
             self._fall_back(f"{self.backend.who(refused)} could not stop at step {target} (already past it, or no "
                             f"answer)", said)
@@ -523,19 +523,19 @@ class Controller:
         self.display.message(f"{said}: every worker stops at step {target} and checkpoints there")
         return False
 
-    def _end_preempted(self, stopped: dict[str, Any]) -> None:
+    def _end_preempted(self, stopped: DrainStop) -> None:
         """The chief stopped for the drain notice (its checkpoint written, if it could be): end the attempt."""
         a, now = self.attempt, self.clock.now()
         notice = a.notice
-        saved = stopped.get("saved")
+        saved = stopped.saved
         if saved:
-            self._checkpoint_s = saved["seconds"]
-        step = saved["step"] if saved else None
+            self._checkpoint_s = saved.seconds
+        step = saved.step if saved else None
         message = (f"node {notice.node_ip} is draining: " + (f"checkpoint at step {step}" if saved else
                                                              "no checkpoint could be written (the train_fn made none)"))
-        details = {**notice.details(now, step), "last_step": stopped["step"],
-                   "checkpoint_s": saved["seconds"] if saved else None,
-                   "request_to_step_s": stopped.get("request_to_step_s")}  # the chief's, to the stop step
+        details = {**notice.details(now, step), "last_step": stopped.step,
+                   "checkpoint_s": saved.seconds if saved else None,
+                   "request_to_step_s": stopped.request_to_step_s}  # the chief's, to the stop step
         self._attempt_failed(Failure("preempted", message, tuple(notice.ranks), {message: notice.ranks}, details),
                              [notice.node_ip])
 
@@ -576,37 +576,38 @@ class Controller:
         spec, result = self.spec, self.result
         chief = a.outcomes[0]
         if self.decisions:  # when training was back on its feet after the last failure
-            self.decisions[-1]["first_step_at"] = chief.get("first_step_at")
-        self.epochs.feed(chief["history"])  # the epochs that ended after the last poll
-        for outcome in a.outcomes.values():
-            write_artifacts(self.job.output_dir, outcome.pop("artifacts", {}))
+            self.decisions[-1]["first_step_at"] = chief.first_step_at
+        self.epochs.feed(chief.history)  # the epochs that ended after the last poll
+        for rank, outcome in a.outcomes.items():
+            write_artifacts(self.job.output_dir, outcome.artifacts)
+            a.outcomes[rank] = dataclasses.replace(outcome, artifacts={})  # written: not held in memory twice
         result.status = "succeeded"
-        result.history = chief["history"]
-        result.variable_devices = chief.get("variable_devices", {})
-        recovered = chief.get("recovered_workers", [])
+        result.history = chief.history
+        result.variable_devices = chief.variable_devices
+        recovered = chief.recovered_workers
         for loss in self.worker_losses:  # the coordinator took the replacement back
             loss["rejoined"] = any(d.endswith(f"/job:worker/replica:0/task:{loss['worker']}") for d in recovered)
-        evaluator = [a.outcomes.get(t.rank, {}) for t in a.tasks if t.role == "evaluator"]
+        evaluator = [a.outcomes.get(t.rank, Outcome()) for t in a.tasks if t.role == "evaluator"]
         if evaluator:
-            result.evaluations = evaluator[0].get("evaluations", [])
+            result.evaluations = evaluator[0].evaluations
             _merge_evaluations(result.history, result.evaluations)
         result.tasks = self._task_entries(a)
         timing = {}  # "worker-<i>" -> its input wait and step time (each mirrored worker's own; the PS chief's)
         for outcome in a.outcomes.values():
-            timing.update(outcome.get("timing") or {})
+            timing.update(outcome.timing)
         for task, entry in zip(a.tasks, result.tasks):
             if task.role == "worker":
                 entry.update(timing.get(f"worker-{task.index}", {}))
         train_s = None
-        if chief.get("first_step_at"):
-            result.time_to_first_step_s = round(chief["first_step_at"] - self.started, 3)
-            train_s = chief["finished_at"] - chief["first_step_at"]
-            steps_after_first = max(chief["steps_run"] - 1, 0)
+        if chief.first_step_at:
+            result.time_to_first_step_s = round(chief.first_step_at - self.started, 3)
+            train_s = chief.finished_at - chief.first_step_at
+            steps_after_first = max((chief.steps_run or 0) - 1, 0)
             if train_s > 0 and steps_after_first:
                 result.examples_per_s = round(steps_after_first * spec.train.effective_batch_size / train_s, 1)
         synchronous = self.backend.synchronous_steps
         result.stragglers = stragglers.find([e for e in result.tasks if "timed_steps" in e], train_s, synchronous)
-        result.exports = {fmt: str(self.job.output_dir / rel) for fmt, rel in chief.get("exports", {}).items()}
+        result.exports = {fmt: str(self.job.output_dir / rel) for fmt, rel in chief.exports.items()}
         result.model_path = result.exports.get("keras")
         tb = self.job.output_dir / "tensorboard"
         result.tensorboard_dir = str(tb) if tb.exists() else None
@@ -624,12 +625,13 @@ class Controller:
 
     def _task_entries(self, a: _Attempt) -> list[dict[str, Any]]:
         """result.json's tasks: where each ran, and what it returned (nothing yet, for a failed attempt)."""
+        none = Outcome()
         return [dict(rank=t.rank, role=self.backend.role_name(t), index=t.index, node_ip=t.node_ip,
                      node_id=t.node_id, address=t.address, gpu_ids=list(t.gpu_ids),
                      cuda_visible_devices=t.cuda_visible_devices,
-                     weights_digest=a.outcomes.get(t.rank, {}).get("weights_digest"),
-                     steps=a.outcomes.get(t.rank, {}).get("steps"),
-                     optimizer_steps=a.outcomes.get(t.rank, {}).get("optimizer_steps"))
+                     weights_digest=a.outcomes.get(t.rank, none).weights_digest,
+                     steps=a.outcomes.get(t.rank, none).steps,
+                     optimizer_steps=a.outcomes.get(t.rank, none).optimizer_steps)
                 for t in a.tasks]
 
     def _record_failure(self, exc: BaseException) -> None:
@@ -663,7 +665,7 @@ class Controller:
         except Exception:  # the group is going down; what was seen is kept
             return
         if chief is not None:
-            self.epochs.feed(chief.get("epochs", []))
+            self.epochs.feed(chief.epochs)
 
     def _stop_group(self) -> None:
         if self.attempt is not None and self.attempt.group is not None:

@@ -11,7 +11,7 @@ import ray
 from ray.exceptions import ActorAlreadyExistsError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raytf.protocol import WorkerPayload
+from raytf.protocol import Progress, StopAnswer, WorkerPayload
 from raytf.actor.raised import summary
 from raytf.actor.task_actor import TaskActor
 from raytf.driver import placement
@@ -204,12 +204,12 @@ class RayWorkerGroup:
                 out.append(Finished(ref, error=task_error(exc)))
         return out
 
-    def progress(self, timeout_s: float) -> list[dict[str, Any] | None]:
+    def progress(self, timeout_s: float) -> list[Progress | None]:
         """Each rank's latest progress; None for a rank that did not answer in time."""
         refs = [a.progress.remote() for a in self._by_rank]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         ready_set = set(ready)
-        out: list[dict[str, Any] | None] = []
+        out: list[Progress | None] = []
         for ref in refs:
             try:
                 out.append(ray.get(ref) if ref in ready_set else None)
@@ -217,10 +217,10 @@ class RayWorkerGroup:
                 out.append(None)
         return out
 
-    def stop_at(self, ranks: list[int], step: int, timeout_s: float) -> list[dict[str, Any] | None]:
+    def stop_at(self, ranks: list[int], step: int, timeout_s: float) -> list[StopAnswer | None]:
         refs = [self._by_rank[r].stop_at.remote(step) for r in ranks]
         ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0])
-        out: list[dict[str, Any] | None] = []
+        out: list[StopAnswer | None] = []
         for ref in refs:
             try:
                 out.append(ray.get(ref) if ref in ready else None)
