@@ -10,7 +10,7 @@ from typing import Any, Callable
 from raytf.driver.group import Finished, TaskError
 from raytf.errors import PlacementTimeout, PortTaken
 from raytf.protocol import CheckpointSaved, DrainStop, Outcome, Progress, StopAnswer
-from raytf.rendezvous import ActorReport
+from raytf.rendezvous import ActorLocation
 
 
 class FakeClock:
@@ -107,13 +107,13 @@ class FakeGroup:
         self.returned: set[_Handle] = set()
         self.stopped = False
 
-    def start(self, timeout_s: float) -> list[ActorReport]:
+    def start(self, timeout_s: float) -> list[ActorLocation]:
         # bundles alternate over the nodes that are not draining (Ray places nothing new on those)
         nodes = [n for n in self.world.nodes if n not in self.world.draining()]
         node_of = {i: nodes[i % len(nodes)] for i in range(len(self.bundles))}
         if self.plan_names is not None:
             self.names = self.plan_names(node_of)
-        return [ActorReport(bundle_index=i, node_id=node, node_ip=f"10.0.0.{self.world.nodes.index(node) + 1}",
+        return [ActorLocation(bundle_index=i, node_id=node, node_ip=f"10.0.0.{self.world.nodes.index(node) + 1}",
                             port=4000 + i) for i, node in node_of.items()]
 
     def setup(self, tasks, payload, timeout_s: float):

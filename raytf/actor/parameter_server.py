@@ -87,7 +87,7 @@ def prepare(task, payload: WorkerPayload, ctx: TaskContext) -> None:
     dataset_fn, or a train_fn that reads its own), the working directory stays the job's."""
     if task.role != "worker" or payload.train_data is None:
         return
-    ctx.phase("converting data")
+    ctx.channel.phase("converting data")
     info = payload.train_data
     shard = data.plan_shards([p.num_rows for p in info.pieces], payload.spec.cluster.workers)[task.index]
     try:
@@ -111,7 +111,7 @@ def start(task, payload: WorkerPayload, ctx: TaskContext):
 
 def train(server, task, payload: WorkerPayload, ctx: TaskContext) -> Outcome:
     if server is not None:  # ps and workers serve the chief until the controller stops them
-        ctx.phase("serving")
+        ctx.channel.phase("serving")
         threading.Event().wait()
     return run_chief(payload, ctx) if task.role == "chief" else run_evaluator(payload, ctx)
 
@@ -394,14 +394,14 @@ def run_evaluator(payload: WorkerPayload, ctx: TaskContext) -> Outcome:
     final_step = spec.train.epochs * steps_per_epoch(payload)
     evaluated: list[dict[str, Any]] = []
     last_step = payload.resume_from.step if payload.resume_from else -1
-    ctx.phase("waiting for a checkpoint")
+    ctx.channel.phase("waiting for a checkpoint")
     while last_step < final_step:
         latest = storage.latest()
         if latest is None or latest.step <= last_step:
             time.sleep(EVALUATOR_POLL_S)
-            ctx.phase("waiting for a checkpoint")
+            ctx.channel.phase("waiting for a checkpoint")
             continue
-        ctx.phase("evaluating")
+        ctx.channel.phase("evaluating")
         try:
             weights = _load_weights(storage, latest)
         except (OSError, KeyError, ValueError):  # pruned by the chief meanwhile: take the next latest
@@ -418,7 +418,7 @@ def run_evaluator(payload: WorkerPayload, ctx: TaskContext) -> Outcome:
         if latest.step_in_epoch == 0:  # written at the end of epoch latest.epoch - 1
             entry["epoch"] = latest.epoch - 1
         evaluated.append(entry)
-        ctx.evaluation(entry)
+        ctx.channel.evaluation(entry)
         last_step = latest.step
     return Outcome(evaluations=evaluated, steps=last_step)
 

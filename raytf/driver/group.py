@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 if TYPE_CHECKING:
     from raytf.protocol import Outcome, Progress, StopAnswer, WorkerPayload
-    from raytf.rendezvous import ActorReport, Task
+    from raytf.rendezvous import ActorLocation, Task
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +39,7 @@ class Finished:
 class WorkerGroup(Protocol):
     """The actors of one attempt, one per bundle."""
 
-    def start(self, timeout_s: float) -> list["ActorReport"]: ...
+    def start(self, timeout_s: float) -> list["ActorLocation"]: ...
     def setup(self, tasks: "list[Task]", payload: "WorkerPayload", timeout_s: float) -> Any: ...
     def train(self, payload: "WorkerPayload") -> list[Any]: ...  # one handle per rank
     def wait(self, handles: list[Any], timeout_s: float) -> list[Finished]: ...  # those done, maybe none

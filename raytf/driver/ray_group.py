@@ -17,7 +17,7 @@ from raytf.actor.task_actor import TaskActor
 from raytf.driver import placement
 from raytf.driver.group import Finished, TaskError
 from raytf.errors import PortTaken, TaskException, WorkerStartupError
-from raytf.rendezvous import ActorReport, Task, task_name, tf_config, tf_configs
+from raytf.rendezvous import ActorLocation, Task, task_name, tf_config, tf_configs
 
 _RemoteTaskActor = ray.remote(TaskActor)
 
@@ -128,20 +128,20 @@ class RayWorkerGroup:
         self._lock = threading.Lock()
         self._stopped = False
 
-    def start(self, timeout_s: float) -> list[ActorReport]:
-        """Create one actor per bundle, named after the task it will play, and collect what each reports."""
+    def start(self, timeout_s: float) -> list[ActorLocation]:
+        """Create one actor per bundle, named after the task it will play, and collect where each is."""
         if self._plan_names is not None:
             self._names = self._plan_names(bundle_nodes(self.pg))
-        reports = []
+        locations = []
         for index in range(len(self.bundles)):
             if index in self.standby:
                 actor, gpu_ids, visible = self.standby.pop(index)
-                reports.append(actor.adopt.remote(gpu_ids, visible))
+                locations.append(actor.adopt.remote(gpu_ids, visible))
             else:
                 actor = self._create(index)
-                reports.append(actor.report.remote())
+                locations.append(actor.location.remote())
             self.actors.append(actor)
-        return self._get(reports, timeout_s, "report in", [f"bundle {i}" for i in range(len(self.actors))])
+        return self._get(locations, timeout_s, "report in", [f"bundle {i}" for i in range(len(self.actors))])
 
     def _create(self, index: int, port: int = 0):
         name = self._names.get(index)
@@ -167,9 +167,9 @@ class RayWorkerGroup:
             actor = self._create(task.bundle_index, port=task.port)
             self.actors[task.bundle_index] = actor  # stop() kills it whatever happens next
         try:
-            report = self._get([actor.report.remote()], timeout_s, "report in", [f"rank {task.rank}"])[0]
-            if report.node_ip != task.node_ip:
-                raise WorkerStartupError(f"its bundle moved from {task.node_ip} to {report.node_ip}")
+            where = self._get([actor.location.remote()], timeout_s, "report in", [f"rank {task.rank}"])[0]
+            if where.node_ip != task.node_ip:
+                raise WorkerStartupError(f"its bundle moved from {task.node_ip} to {where.node_ip}")
             self._get([actor.setup.remote(task, tf_config(self.tasks, task), len(self.tasks), payload)], timeout_s,
                       "start TensorFlow", [f"rank {task.rank}"])
         except WorkerStartupError:
@@ -326,7 +326,7 @@ class RayResources:
         actors, self._standby = self._standby, {}
         usable = {i: a for i, a in actors.items()
                   if i < count and self._standby_pg is not None and pg.id == self._standby_pg.id}
-        refs = {i: a[0].report.remote() for i, a in usable.items()}
+        refs = {i: a[0].location.remote() for i, a in usable.items()}
         ready = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.standby_check_s)[0] if refs else []
         alive = {}
         for i, ref in refs.items():
