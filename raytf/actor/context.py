@@ -1,5 +1,6 @@
-"""What a loop and a train_fn see of their task (TaskContext, the user's `ctx`). It reports into the task's
-channel to the driver (raytf.actor.channel), which it holds but does not expose as its own API.
+"""What a loop and a train_fn see of their task (TaskContext, the user's `ctx`). Progress goes into
+`ctx.channel`, the task's channel to the driver (raytf.actor.channel): raytf's loops call it directly, a
+train_fn through ctx.step and ctx.report.
 
 No TensorFlow import here.
 """
