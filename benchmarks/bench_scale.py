@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO))
 
 from raytf import backends, sweep  # noqa: E402
 from raytf.driver import placement  # noqa: E402
-from raytf.rendezvous import ActorReport, tf_config, tf_configs  # noqa: E402
+from raytf.rendezvous import ActorLocation, tf_config, tf_configs  # noqa: E402
 from raytf.job import Job, parse  # noqa: E402
 from tests.conftest import base_spec  # noqa: E402
 
@@ -56,9 +56,9 @@ def placement_of(bundles: int, nodes: int, gpus: int, seed: int = 0) -> dict[int
     return {i: f"{order[i // gpus]:056x}" for i in range(bundles)}
 
 
-def reports_of(bundle_nodes: dict[int, str], nodes: int) -> list[ActorReport]:
+def reports_of(bundle_nodes: dict[int, str], nodes: int) -> list[ActorLocation]:
     ip = {node: f"10.{i // 256}.{i % 256}.10" for i, node in enumerate(sorted(set(bundle_nodes.values())))}
-    return [ActorReport(bundle_index=i, node_id=n, node_ip=ip[n], port=20000 + i, gpu_ids=(str(i % 8),))
+    return [ActorLocation(bundle_index=i, node_id=n, node_ip=ip[n], port=20000 + i, gpu_ids=(str(i % 8),))
             for i, n in bundle_nodes.items()]
 
 

@@ -28,8 +28,8 @@ def main(job_file: str, overrides_json: str) -> None:
     ctx = TaskContext(config["task"]["index"], len(config["cluster"]["worker"]), payload.spec, tempfile.mkdtemp(),
                       payload)
     outcome = mirrored.run(strategy, payload, ctx)
-    print(json.dumps({"first_step_at": ctx.first_step_at, "finished_at": time.time(), "steps": outcome["steps"],
-                      "loss": outcome["history"][-1]["loss"]}))
+    print(json.dumps({"first_step_at": ctx.channel.first_step_at, "finished_at": time.time(), "steps": outcome.steps,
+                      "loss": outcome.history[-1]["loss"]}))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Rank assignment and TF_CONFIG: pure functions over what the actors reported. No Ray, no TensorFlow."""
+"""Rank assignment and TF_CONFIG: pure functions over where the actors are (ActorLocation). No Ray, no TensorFlow."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,8 +6,8 @@ import json
 
 
 @dataclasses.dataclass(frozen=True)
-class ActorReport:
-    """What one started actor says about itself, before ranks exist."""
+class ActorLocation:
+    """Where one started actor runs (its node, the port it holds, its GPUs), before ranks exist."""
 
     bundle_index: int
     node_id: str
@@ -37,7 +37,7 @@ class Task:
         return f"{host}:{self.port}"
 
 
-def assign_ranks(reports: list[ActorReport]) -> list[Task]:
+def assign_ranks(locations: list[ActorLocation]) -> list[Task]:
     """Deterministic ranks: actors on one node get adjacent ranks; nodes are ordered by their lowest
     bundle index (so the chief's node comes first), actors within a node by bundle index. Rank 0 is the
     chief. The result is ordered by rank.
@@ -45,33 +45,33 @@ def assign_ranks(reports: list[ActorReport]) -> list[Task]:
     Only the placement decides (which node holds which bundle), not what an actor finds once it runs (its
     GPU ids): so ranks, and the names actors are created with, are known before any actor exists. Each
     actor sees only its own GPUs, so their ids do not need to follow the ranks."""
-    if not reports:
+    if not locations:
         raise ValueError("no actors to rank")
-    bundles = [r.bundle_index for r in reports]
+    bundles = [r.bundle_index for r in locations]
     if len(set(bundles)) != len(bundles):
         raise ValueError(f"duplicate bundle indexes in {sorted(bundles)}")
     first_bundle_on_node: dict[str, int] = {}
-    for r in reports:
+    for r in locations:
         first_bundle_on_node[r.node_id] = min(first_bundle_on_node.get(r.node_id, r.bundle_index), r.bundle_index)
-    ordered = sorted(reports, key=lambda r: (first_bundle_on_node[r.node_id], r.bundle_index))
+    ordered = sorted(locations, key=lambda r: (first_bundle_on_node[r.node_id], r.bundle_index))
     return [Task(rank=i, role="worker", index=i, bundle_index=r.bundle_index, node_id=r.node_id,
                  node_ip=r.node_ip, port=r.port, gpu_ids=tuple(r.gpu_ids),
                  cuda_visible_devices=r.cuda_visible_devices) for i, r in enumerate(ordered)]
 
 
-def placed(bundle_nodes: dict[int, str]) -> list[ActorReport]:
-    """Stand-ins for the reports of actors not yet created, from the placement alone (bundle index ->
+def placed(bundle_nodes: dict[int, str]) -> list[ActorLocation]:
+    """Stand-ins for the locations of actors not yet created, from the placement alone (bundle index ->
     node id): enough to assign ranks and roles, and so to name the actors at creation."""
-    return [ActorReport(bundle_index=i, node_id=node, node_ip="", port=0) for i, node in sorted(bundle_nodes.items())]
+    return [ActorLocation(bundle_index=i, node_id=node, node_ip="", port=0) for i, node in sorted(bundle_nodes.items())]
 
 
-def assign_roles(reports: list[ActorReport], roles: list[str]) -> list[Task]:
+def assign_roles(locations: list[ActorLocation], roles: list[str]) -> list[Task]:
     """Parameter-server tasks: the actor in bundle i plays roles[i] (chief, ps, worker or evaluator);
     its index counts that role's bundles before it. Ranks follow bundle order, so the chief is rank 0.
     The result is ordered by rank."""
-    by_bundle = {r.bundle_index: r for r in reports}
-    if sorted(by_bundle) != list(range(len(roles))) or len(reports) != len(roles):
-        raise ValueError(f"bundle indexes {sorted(r.bundle_index for r in reports)} do not match the "
+    by_bundle = {r.bundle_index: r for r in locations}
+    if sorted(by_bundle) != list(range(len(roles))) or len(locations) != len(roles):
+        raise ValueError(f"bundle indexes {sorted(r.bundle_index for r in locations)} do not match the "
                          f"{len(roles)} roles")
     if roles.count("chief") != 1 or roles[0] != "chief":
         raise ValueError(f"the first bundle must be the one chief, got roles {roles}")

@@ -9,7 +9,8 @@ from typing import Any, Callable
 
 from raytf.driver.group import Finished, TaskError
 from raytf.errors import PlacementTimeout, PortTaken
-from raytf.rendezvous import ActorReport
+from raytf.protocol import CheckpointSaved, DrainStop, Outcome, Progress, StopAnswer
+from raytf.rendezvous import ActorLocation
 
 
 class FakeClock:
@@ -39,7 +40,7 @@ class Script:
     cpu_share: float = 1.0  # of one core, while it runs (not once it hangs)
     epoch_s: float | None = None  # an epoch's metrics in its progress every this many seconds
     work_per_s: float = 0.0  # a parameter-server chief's train_fn: functions its workers finished, per second
-    outcome: dict[str, Any] = dataclasses.field(default_factory=dict)
+    outcome: dict[str, Any] = dataclasses.field(default_factory=dict)  # Outcome fields to set
 
 
 def actor_died() -> TaskError:
@@ -106,13 +107,13 @@ class FakeGroup:
         self.returned: set[_Handle] = set()
         self.stopped = False
 
-    def start(self, timeout_s: float) -> list[ActorReport]:
+    def start(self, timeout_s: float) -> list[ActorLocation]:
         # bundles alternate over the nodes that are not draining (Ray places nothing new on those)
         nodes = [n for n in self.world.nodes if n not in self.world.draining()]
         node_of = {i: nodes[i % len(nodes)] for i in range(len(self.bundles))}
         if self.plan_names is not None:
             self.names = self.plan_names(node_of)
-        return [ActorReport(bundle_index=i, node_id=node, node_ip=f"10.0.0.{self.world.nodes.index(node) + 1}",
+        return [ActorLocation(bundle_index=i, node_id=node, node_ip=f"10.0.0.{self.world.nodes.index(node) + 1}",
                             port=4000 + i) for i, node in node_of.items()]
 
     def setup(self, tasks, payload, timeout_s: float):
@@ -146,19 +147,20 @@ class FakeGroup:
                 elif kind == "stopped":
                     if h.rank == 0 and self.world.on_checkpoint is not None:
                         self.world.on_checkpoint(h.stop_step)
-                    out.append(Finished(h, outcome={"history": [], "steps": h.stop_step, "preempted": {
-                        "step": h.stop_step, "saved": {"step": h.stop_step, "seconds": CHECKPOINT_S}}}))
+                    out.append(Finished(h, outcome=Outcome(steps=h.stop_step, preempted=DrainStop(
+                        h.stop_step, CheckpointSaved(h.stop_step, CHECKPOINT_S)))))
                 else:
                     out.append(Finished(h, outcome=self._outcome(h)))
         return out
 
-    def _outcome(self, h: _Handle) -> dict[str, Any]:
+    def _outcome(self, h: _Handle) -> Outcome:
         steps = int(h.script.finish_after * h.script.steps_per_s)
-        return {"history": [{"epoch": 1, "loss": 0.5, "seconds": 1.0, "step": steps}], "weights_digest": "same",
-                "steps": steps, "steps_run": steps, "first_step_at": h.started + 0.1,
-                "finished_at": h.started + h.script.finish_after, **h.script.outcome}
+        return dataclasses.replace(Outcome(
+            history=[{"epoch": 1, "loss": 0.5, "seconds": 1.0, "step": steps}], weights_digest="same", steps=steps,
+            steps_run=steps, first_step_at=h.started + 0.1, finished_at=h.started + h.script.finish_after),
+            **h.script.outcome)
 
-    def progress(self, timeout_s: float) -> list[dict[str, Any] | None]:
+    def progress(self, timeout_s: float) -> list[Progress | None]:
         now = self.clock.now()
         out = []
         for h in sorted(self.handles, key=lambda h: h.rank):
@@ -168,15 +170,15 @@ class FakeGroup:
             running = now - h.started
             if h.script.hang_after is not None:
                 running = min(running, h.script.hang_after)
-            epochs = ([{"epoch": e, "loss": 1.0 / e, "seconds": h.script.epoch_s}
-                       for e in range(1, int(running // h.script.epoch_s) + 1)] if h.script.epoch_s else [])
+            epochs = tuple({"epoch": e, "loss": 1.0 / e, "seconds": h.script.epoch_s}
+                           for e in range(1, int(running // h.script.epoch_s) + 1)) if h.script.epoch_s else ()
             step = int(running * h.script.steps_per_s) if h.script.says_steps else 0
-            out.append({"phase": "train", "global_step": step, "epochs": epochs,
-                        "cpu_s": running * h.script.cpu_share, "work_done": int(running * h.script.work_per_s),
-                        "updated": now, "steps_per_s": h.script.steps_per_s, **({"checkpoint_s": h.script.checkpoint_s} if h.script.checkpoint_s else {})})
+            out.append(Progress(phase="train", global_step=step, epochs=epochs, cpu_s=running * h.script.cpu_share,
+                                work_done=int(running * h.script.work_per_s), updated=now,
+                                steps_per_s=h.script.steps_per_s, checkpoint_s=h.script.checkpoint_s))
         return out
 
-    def stop_at(self, ranks: list[int], step: int, timeout_s: float) -> list[dict[str, Any] | None]:
+    def stop_at(self, ranks: list[int], step: int, timeout_s: float) -> list[StopAnswer | None]:
         self.world.stop_requests.append((list(ranks), step))
         out = []
         for h in sorted(self.handles, key=lambda h: h.rank):
@@ -185,7 +187,7 @@ class FakeGroup:
                 accepted = step > done and h.rank not in self.world.refuse_stop
                 if accepted:
                     h.stop_step = step
-                out.append({"accepted": accepted, "step": done})
+                out.append(StopAnswer(accepted, done))
         return out
 
     def replace(self, task, payload, timeout_s: float) -> _Handle:

@@ -45,7 +45,7 @@ class Killer:
                 progress = ray.get(watched.progress.remote(), timeout=5)
             except Exception:
                 return  # the attempt ended some other way
-            if progress.get("global_step", 0) >= self.at_step:
+            if progress.global_step >= self.at_step:
                 self.killed_at.append((attempt, time.time()))
                 self.kill(actor)
                 return
@@ -127,7 +127,7 @@ class AtSteps:
         deadline = time.time() + 120
         while pending and time.time() < deadline:
             try:
-                step = ray.get(watched.progress.remote(), timeout=5).get("global_step", 0)
+                step = ray.get(watched.progress.remote(), timeout=5).global_step
             except ray.exceptions.GetTimeoutError:  # a busy machine: ask again, the action must not be lost
                 continue
             except Exception:

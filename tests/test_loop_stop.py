@@ -7,7 +7,7 @@ import pytest
 
 from raytf.actor import loop
 from raytf.actor.context import TaskContext
-from raytf.protocol import WorkerPayload
+from raytf.protocol import Outcome, StopAnswer, WorkerPayload
 from raytf.job import parse
 
 pytestmark = pytest.mark.timeout(120)
@@ -70,7 +70,7 @@ class RecordingRunner:
         return {}
 
     def finish(self):
-        return {}
+        return Outcome()
 
 
 @pytest.fixture
@@ -85,20 +85,20 @@ def test_a_notice_for_a_step_this_rank_finished_before_the_epoch_end_is_refused(
     make_ctx, payload = rank
     ctx = make_ctx()
     answers = []
-    runner = RecordingRunner(during_validation=lambda: answers.append(ctx.request_stop(STEPS_PER_EPOCH)))
+    runner = RecordingRunner(during_validation=lambda: answers.append(ctx.channel.request_stop(STEPS_PER_EPOCH)))
     outcome = loop.run(runner, payload, ctx)
     # The rank had finished step 4 and gone into the epoch end: stopping there would put it on the far side
     # of the sync and validation that a rank still inside step 4 (which accepts) would never run.
-    assert answers == [{"accepted": False, "step": STEPS_PER_EPOCH}]
-    assert "preempted" not in outcome and runner.done == 3 * STEPS_PER_EPOCH
+    assert answers == [StopAnswer(False, STEPS_PER_EPOCH)]
+    assert outcome.preempted is None and runner.done == 3 * STEPS_PER_EPOCH
 
 
 def test_a_notice_during_the_epoch_end_stops_every_rank_at_the_next_epochs_step(rank):
     make_ctx, payload = rank
     ctx = make_ctx()
-    runner = RecordingRunner(during_validation=lambda: ctx.request_stop(STEPS_PER_EPOCH + 2))
+    runner = RecordingRunner(during_validation=lambda: ctx.channel.request_stop(STEPS_PER_EPOCH + 2))
     outcome = loop.run(runner, payload, ctx)
-    assert outcome["preempted"]["step"] == outcome["steps"] == STEPS_PER_EPOCH + 2
+    assert outcome.preempted.step == outcome.steps == STEPS_PER_EPOCH + 2
     assert runner.calls == [f"step {i}" for i in range(1, 5)] + ["sync", "validate", "step 5", "step 6"]
 
 
@@ -110,7 +110,7 @@ def test_a_notice_for_the_epochs_last_step_stops_before_its_end(rank):
     outcome = loop.run(runner, payload, ctx)
     # Every rank that accepted step 4 stops right after it, before the epoch end's collectives; the resumed
     # attempt runs the epoch end.
-    assert outcome["preempted"]["step"] == STEPS_PER_EPOCH
+    assert outcome.preempted.step == STEPS_PER_EPOCH
     assert runner.calls == [f"step {i}" for i in range(1, 5)]
 
 
@@ -118,28 +118,28 @@ def _asking_at(train, ctx, after_step, stop_at):
     def asking(count, epoch, stopping=lambda: False):
         for loss in train(count, epoch, stopping):
             yield loss
-            if ctx.global_step == after_step:  # the loop has counted the step just yielded
-                assert ctx.request_stop(stop_at)["accepted"]
+            if ctx.channel.progress().global_step == after_step:  # the loop has counted the step just yielded
+                assert ctx.channel.request_stop(stop_at).accepted
     return asking
 
 
 def test_the_step_rate_a_stop_step_is_planned_with_leaves_out_validation_and_checkpoints(rank, monkeypatch):
     make_ctx, _ = rank
     now = [1000.0]
-    monkeypatch.setattr("raytf.actor.context.time.time", lambda: now[0])
+    monkeypatch.setattr("raytf.actor.channel.time.time", lambda: now[0])
     ctx = make_ctx()
 
     def steps(first, count):
         for g in range(first, first + count):
             now[0] += 0.1  # 10 steps/s
-            ctx.train_step(1, g % STEPS_PER_EPOCH or STEPS_PER_EPOCH, None, g, 0.5, 8)
+            ctx.channel.train_step(1, g % STEPS_PER_EPOCH or STEPS_PER_EPOCH, None, g, 0.5, 8)
 
     steps(1, 20)
-    ctx.phase("validating")
+    ctx.channel.phase("validating")
     now[0] += 30.0  # a long validation pass, then a checkpoint
-    ctx.phase("checkpointing")
+    ctx.channel.phase("checkpointing")
     now[0] += 10.0
     steps(21, 3)  # the first report after them: the rate must not count the 40 s without steps
-    assert ctx.progress()["steps_per_s"] == pytest.approx(10.0, rel=0.05)
+    assert ctx.channel.progress().steps_per_s == pytest.approx(10.0, rel=0.05)
     steps(24, 20)
-    assert ctx.progress()["steps_per_s"] == pytest.approx(10.0, rel=0.05)
+    assert ctx.channel.progress().steps_per_s == pytest.approx(10.0, rel=0.05)

@@ -3,11 +3,11 @@ import json
 
 import pytest
 
-from raytf.rendezvous import ActorReport, assign_ranks, assign_roles, cluster_spec, placed, tf_config, tf_configs
+from raytf.rendezvous import ActorLocation, assign_ranks, assign_roles, cluster_spec, placed, tf_config, tf_configs
 
 
 def report(bundle, node, port=1000, gpus=(), ip=None):
-    return ActorReport(bundle_index=bundle, node_id=node, node_ip=ip or f"10.0.0.{node[-1]}", port=port + bundle,
+    return ActorLocation(bundle_index=bundle, node_id=node, node_ip=ip or f"10.0.0.{node[-1]}", port=port + bundle,
                        gpu_ids=tuple(gpus))
 
 
@@ -85,7 +85,7 @@ def test_a_64_node_by_8_gpu_placement_plans_512_ranks_node_by_node():
     random.Random(1).shuffle(order)
     bundle_nodes = {i: f"node-{order[i // 8]:02d}" for i in range(512)}
     ip = {f"node-{n:02d}": f"10.0.{n}.1" for n in range(64)}
-    reports = [ActorReport(bundle_index=i, node_id=n, node_ip=ip[n], port=20000 + i) for i, n in bundle_nodes.items()]
+    reports = [ActorLocation(bundle_index=i, node_id=n, node_ip=ip[n], port=20000 + i) for i, n in bundle_nodes.items()]
     random.Random(2).shuffle(reports)  # as they report in
     tasks = assign_ranks(reports)
     planned = assign_ranks(placed(bundle_nodes))

@@ -1,17 +1,18 @@
-"""What the driver hands each actor (WorkerPayload) and what a loop sees of its task (TaskContext).
+"""What a loop and a train_fn see of their task (TaskContext, the user's `ctx`). Progress goes into
+`ctx.channel`, the task's channel to the driver (raytf.actor.channel): raytf's loops call it directly, a
+train_fn through ctx.step and ctx.report.
 
-No TensorFlow import here: the driver builds payloads, actors build contexts.
+No TensorFlow import here.
 """
 from __future__ import annotations
 
 import math
-import os
-import threading
 import time
 from typing import Any, Callable
 
 from raytf.errors import NonFiniteLoss
-from raytf.protocol import WorkerPayload
+from raytf.actor.channel import TaskChannel
+from raytf.protocol import DrainStop, WorkerPayload
 from raytf.spec import JobSpec
 
 
@@ -26,18 +27,17 @@ class StopTraining(BaseException):
     """Raised out of a train_fn's ctx.step at the step a drain notice set, once the checkpoint there is
     written; raytf catches it. A BaseException, so a train_fn's `except Exception` does not swallow it."""
 
-    def __init__(self, info: dict[str, Any]):
-        super().__init__(f"stopped at step {info['step']} for a drain notice")
+    def __init__(self, info: DrainStop):
+        super().__init__(f"stopped at step {info.step} for a drain notice")
         self.info = info
 
 
 class TaskContext:
-    """A task's view of itself, and its channel to the driver: progress (read by the driver while the
-    loop runs, from another thread of the actor) and per-epoch metrics.
+    """A task's view of itself, and a train_fn's `ctx`. Its progress goes into `channel`, which the driver polls.
 
     For `train_fn` users: `strategy` (and `coordinator` under parameter servers), `rank`, `world_size`,
     `num_replicas`, `per_replica_batch_size`,
-    `global_batch_size`, `steps_per_epoch`, `validation_steps`, `is_chief`, `spec`, `build_model()`;
+    `global_batch_size`, `steps_per_epoch`, `validation_steps`, `is_chief`, `spec`, `config`, `build_model()`;
     `dataset(name)` / `distributed_dataset(name)` (this worker's shard of the job's data),
     `checkpoint(model=..., optimizer=...)` (save(step) / restore()), `step(step, loss)` as steps go,
     `report(metrics)` once per epoch, and `save_model(model)` on every worker (it syncs BatchNormalization
@@ -45,113 +45,45 @@ class TaskContext:
     """
 
     def __init__(self, rank: int, world_size: int, spec: JobSpec, staging_dir: str,
-                 payload: WorkerPayload | None = None, report_interval_s: float = 0.5):
+                 payload: WorkerPayload | None = None, channel: TaskChannel | None = None):
         self.rank, self.world_size, self.spec = rank, world_size, spec
+        self.channel = channel or TaskChannel(rank)
         self.config = dict(spec.config)  # the job's free-form config: section (Ray Train's train_loop_config)
         self.is_chief = rank == 0
         self.global_batch_size = spec.train.global_batch_size
         self.staging_dir = staging_dir
+        # a train_fn's, set by attach()
         self.strategy = None
         self.coordinator = None  # a parameter-server train_fn: the chief's tf.distribute.coordinator.ClusterCoordinator
         self.num_replicas = None
         self.per_replica_batch_size = None
-        self.history: list[dict[str, Any]] = []
-        self.global_step = 0
-        self.saved_model = None
-        self.exports: dict[str, str] = {}  # format -> path in staging_dir, from save_model
-        self.state_sync: Callable[[Any], None] | None = None  # set by the loop that owns the strategy
         self.steps_per_epoch: int | None = None  # train_fn with data: optimizer steps per epoch on every worker
         self.validation_steps: int | None = None  # train_fn with data.validation: batches per pass, every worker
-        self.restored_step = 0  # the step a train_fn's checkpoint restored
         self.own_loop = None  # train_fn: raytf.actor.own_loop.OwnLoop (data and checkpoints)
+        self.state_sync: Callable[[Any], None] | None = None  # makes replicas' non-trainable state agree
+        # what a train_fn did
+        self.history: list[dict[str, Any]] = []
+        self.global_step = 0
+        self.restored_step = 0  # the step a train_fn's checkpoint restored
+        self.saved_model = None
+        self.exports: dict[str, str] = {}  # format -> path in staging_dir, from save_model
         self._payload = payload
-        self._lock = threading.Lock()
-        self._report_interval_s = report_interval_s
-        self._last_report = (0.0, 0)  # (when, global step) of the last full progress report
-        self._progress: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "phase": "starting", "global_step": 0,
-                                          "updated": time.time()}
-        self.first_step_at: float | None = None
         self._epoch_started = time.time()  # a train_fn's epoch, for report()
-        self._epochs: list[dict[str, Any]] = []
-        self._evaluations: list[dict[str, Any]] = []
-        self._stop_at: int | None = None  # a drain notice: the step the loop stops and checkpoints at
-        self.stop_requested_at: float | None = None
-        self._last_step = 0  # the last step the loop finished, as stop_due saw it
 
-    # -- a drain notice (raytf.driver.controller): every loop-running rank stops at one common step
-    def request_stop(self, step: int) -> dict[str, Any]:
-        """Stop after optimizer step `step`. Accepted only while the loop has not finished it yet (it may
-        be inside the step after the last one it finished), so every rank that accepts stops at exactly
-        `step`; the driver gives up on the checkpoint when one does not accept."""
-        with self._lock:
-            accepted = step > self._last_step
-            if accepted:
-                self._stop_at, self.stop_requested_at = step, time.time()
-            return {"accepted": accepted, "step": self._last_step}
+    def attach(self, own_loop, state_sync: Callable[[Any], None] | None = None) -> None:
+        """raytf.actor.own_loop, before the train_fn runs: the strategy, data plan and checkpoints behind
+        this ctx (an OwnLoop), and how save_model makes the replicas' state agree."""
+        self.own_loop, self.state_sync = own_loop, state_sync
+        self.strategy, self.coordinator = own_loop.strategy, own_loop.coordinator
+        self.num_replicas = own_loop.strategy.num_replicas_in_sync
+        self.per_replica_batch_size = own_loop.per_replica_batch_size
+        self.steps_per_epoch, self.validation_steps = own_loop.steps_per_epoch, own_loop.validation_steps
 
-    def stop_due(self, step: int) -> bool:
-        """Called by the loop after each optimizer step (`step`: done so far): whether to stop here."""
-        with self._lock:
-            self._last_step = step
-            return self._stop_at is not None and step >= self._stop_at
-
-    @property
-    def stop_requested(self) -> bool:
-        return self._stop_at is not None
-
-    def checkpointed(self, seconds: float) -> None:
-        """How long the last checkpoint took: the driver compares it with a draining node's deadline."""
-        with self._lock:
-            self._progress["checkpoint_s"] = round(seconds, 3)
-
-    # -- progress, called by raytf's loop on every step; cheap unless a report is due
-    def train_step(self, epoch: int, step: int, steps: int | None, global_step: int, loss, examples: int) -> None:
-        now = time.time()
-        self.global_step = global_step
-        if self.first_step_at is None:
-            self.first_step_at = now
-        if now - self._last_report[0] < self._report_interval_s and step != steps:
-            with self._lock:
-                self._progress["global_step"], self._progress["updated"] = global_step, now
-            return
-        (then, step_then), self._last_report = self._last_report, (now, global_step)
-        rate = (global_step - step_then) / (now - then) if then and now > then else None
-        with self._lock:
-            self._progress.update(phase="train", epoch=epoch, step=step, steps=steps, global_step=global_step,
-                                  loss=float("nan") if loss is None else float(loss),
-                                  examples_seen=examples * global_step, updated=now)
-            if rate is not None:
-                self._progress["steps_per_s"] = round(rate, 2)  # since the last report: a drain's stop step
-
-    def work_done(self) -> None:
-        """A unit of work finished that is not an optimizer step this task took (a parameter-server worker
-        ran a function the chief's train_fn scheduled): progress for the hang watchdog."""
-        with self._lock:
-            self._progress["work_done"] = self._progress.get("work_done", 0) + 1
-
-    def phase(self, name: str) -> None:
-        """A named stretch of work (validating, checkpointing, restoring): progress for the hang watchdog."""
-        with self._lock:
-            self._progress.update(phase=name, updated=time.time())
-        self._last_report = (0.0, 0)  # steps_per_s starts over after this: it measures stepping only
-
-    def epoch_end(self, metrics: dict[str, Any]) -> None:
-        with self._lock:
-            self._epochs.append(dict(metrics))
-            self._progress.update(phase="epoch_end", updated=time.time())
-        self._last_report = (0.0, 0)
-
-    def evaluation(self, metrics: dict[str, Any]) -> None:
-        """The evaluator side-car's result for one checkpoint."""
-        with self._lock:
-            self._evaluations.append(dict(metrics))
-            self._progress.update(phase="evaluated", updated=time.time())
-
-    def progress(self) -> dict[str, Any]:
-        """The latest step, and every epoch's metrics so far (so a slow poller misses none)."""
-        with self._lock:  # cpu_s: the process's CPU time, the watchdog's sign of life where no step is said
-            return {**self._progress, "epochs": list(self._epochs), "evaluations": list(self._evaluations),
-                    "cpu_s": time.process_time()}
+    def restored(self, history: list[dict[str, Any]], step: int) -> None:
+        """A train_fn's checkpoint was restored: ctx.report goes on numbering its epochs from there."""
+        self.history = [dict(h) for h in history]
+        self.global_step = self.restored_step = step
+        self.channel.phase("train")
 
     # -- for train_fn users
     def step(self, step: int, loss=None) -> None:
@@ -159,8 +91,9 @@ class TaskContext:
         progress line shows it, and the hang watchdog (failure.hang_timeout_s) sees the loop is alive."""
         spe = self.steps_per_epoch
         epoch, in_epoch = (step // spe + 1, step % spe) if spe else (len(self.history) + 1, step)
-        self.train_step(epoch, in_epoch, spe, step, loss, self.global_batch_size)
-        if self.stop_due(step) and self.own_loop is not None:  # a drain notice: checkpoint here, then stop
+        self.global_step = step
+        self.channel.train_step(epoch, in_epoch, spe, step, loss, self.global_batch_size)
+        if self.channel.stop_due(step) and self.own_loop is not None:  # a drain notice: checkpoint here, then stop
             self.own_loop.stop_here(step)
 
     def dataset(self, name: str = "train", epoch: int | None = None, skip: int = 0):
@@ -199,9 +132,7 @@ class TaskContext:
         self._epoch_started = now
         self.history.append(entry)
         self.global_step = int(entry.get("step", self.global_step))
-        if self.first_step_at is None:
-            self.first_step_at = time.time()
-        self.epoch_end(entry)
+        self.channel.epoch_end(entry)
 
     def build_model(self):
         if self._payload is None or self.spec.model is None:

@@ -9,6 +9,7 @@ raytf.checkpoint.Storage, and progress for the watchdog. A strategy supplies a `
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -22,7 +23,7 @@ import tensorflow as tf
 from raytf.actor import schedules
 from raytf.actor import steps as steps_lib
 from raytf.actor.context import TaskContext, check_loss
-from raytf.protocol import WorkerPayload
+from raytf.protocol import CheckpointSaved, DrainStop, Outcome, WorkerPayload
 from raytf.checkpoint import META, CheckpointInfo, Storage
 from raytf.errors import CheckpointCorrupt, CheckpointMismatch, NonFiniteWeights
 
@@ -49,7 +50,7 @@ class Runner(Protocol):
     def check_restorable(self, meta: dict[str, Any], path: str) -> None: ...
     def final_checkpoint_needed(self) -> bool: ...
     def timing(self) -> dict[str, dict[str, float]]: ...  # "worker-<i>" -> input wait, step time, steps so far
-    def finish(self) -> dict[str, Any]: ...  # save the model; the outcome's strategy-specific part
+    def finish(self) -> Outcome: ...  # save the model; the outcome's strategy-specific part
 
 
 class Position:
@@ -61,7 +62,7 @@ class Position:
         self.totals = totals
 
 
-def run(runner: Runner, payload: WorkerPayload, ctx: TaskContext) -> dict[str, Any]:
+def run(runner: Runner, payload: WorkerPayload, ctx: TaskContext) -> Outcome:
     spec = payload.spec
     checkpoints = Checkpoints(runner, payload, ctx)
     position = checkpoints.restore()
@@ -81,16 +82,16 @@ def run(runner: Runner, payload: WorkerPayload, ctx: TaskContext) -> dict[str, A
             if every_kind == "steps":
                 stop = min(runner.steps, step + every - global_step % every)
             trace.before(global_step + 1)
-            for loss in runner.train(stop - step, epoch, stopping=lambda: ctx.stop_due(global_step)):
+            for loss in runner.train(stop - step, epoch, stopping=lambda: ctx.channel.stop_due(global_step)):
                 step += 1
                 global_step += 1
                 trace.after(global_step)
                 if loss is not None:
-                    ctx.train_step(epoch, step, runner.steps, global_step, loss, spec.train.effective_batch_size)
+                    ctx.channel.train_step(epoch, step, runner.steps, global_step, loss, spec.train.effective_batch_size)
             # Asked after every chunk, not only once a notice came: it records the step just finished, so a
             # notice arriving during the checkpoint or epoch end below is not accepted for a step this rank
             # has passed (the ranks would stop on different sides of those collectives).
-            if ctx.stop_due(global_step):  # a drain notice: checkpoint now, here
+            if ctx.channel.stop_due(global_step):  # a drain notice: checkpoint now, here
                 trace.close()
                 return stopped(runner, checkpoints, ctx, global_step, epoch, step, history, position)
             if checkpoints.enabled and every_kind == "steps" and global_step % every == 0 and step < runner.steps:
@@ -103,7 +104,7 @@ def run(runner: Runner, payload: WorkerPayload, ctx: TaskContext) -> dict[str, A
         metrics["learning_rate"] = schedules.learning_rate_at(runner.optimizer, max(global_step - 1, 0))  # its last step's
         val = None
         if runner.validates:
-            ctx.phase("validating")
+            ctx.channel.phase("validating")
             val = runner.eval_acc.results(runner.validate())
         steps_lib.end_epoch(ctx, writer, history, metrics, val, epoch, started, global_step)
         if timing is not None:
@@ -114,10 +115,8 @@ def run(runner: Runner, payload: WorkerPayload, ctx: TaskContext) -> dict[str, A
             checkpoints.save(global_step, epoch + 1, 0, history)
     trace.close()
     check_weights(spec, getattr(runner, "model", None), spec.train.epochs, global_step if history else 0, ctx.rank)
-    outcome = runner.finish()
-    outcome.update(history=history, steps=global_step, steps_run=global_step - position.global_step,
-                   timing=runner.timing())
-    return outcome
+    return dataclasses.replace(runner.finish(), history=history, steps=global_step,
+                               steps_run=global_step - position.global_step, timing=runner.timing())
 
 
 def check_weights(spec, model, epoch: int, step: int, rank: int) -> None:
@@ -136,7 +135,7 @@ def check_weights(spec, model, epoch: int, step: int, rank: int) -> None:
 
 
 def stopped(runner: Runner, checkpoints: "Checkpoints", ctx: TaskContext, global_step: int, epoch: int, step: int,
-            history: list, position: Position) -> dict[str, Any]:
+            history: list, position: Position) -> Outcome:
     """The loop stopped at the step a drain notice set: checkpoint there (a mid-epoch checkpoint, its metric
     sums included; at an epoch's last step too, so the resumed attempt ends that epoch), and return."""
     saved, reached = None, time.time()
@@ -144,10 +143,9 @@ def stopped(runner: Runner, checkpoints: "Checkpoints", ctx: TaskContext, global
         runner.sync_state()
         started = time.time()
         checkpoints.save(global_step, epoch, step, history, runner.epoch_totals())
-        saved = {"step": global_step, "seconds": round(time.time() - started, 3)}
-    return {"preempted": {"step": global_step, "saved": saved, "request_to_step_s": round(reached - ctx.stop_requested_at, 3)},
-            "history": history, "steps": global_step,
-            "steps_run": global_step - position.global_step}
+        saved = CheckpointSaved(global_step, round(time.time() - started, 3))
+    return Outcome(preempted=DrainStop(global_step, saved, round(reached - ctx.channel.stop_requested_at, 3)),
+                   history=history, steps=global_step, steps_run=global_step - position.global_step)
 
 
 class TimingEvents:
@@ -245,7 +243,7 @@ def read_state(state: tf.train.Checkpoint, resume: CheckpointInfo, location: str
     CheckpointCorrupt (naming it), which the driver answers by trying the one before. `check(meta, path)`
     may refuse it first. `keep_in`: download into this folder and leave the files there, for variables not
     created yet (an optimizer's, before its first step), which TensorFlow restores when they are created."""
-    ctx.phase("restoring")
+    ctx.channel.phase("restoring")
     local = keep_in or tempfile.mkdtemp(prefix="raytf-restore-")
     try:
         try:
@@ -273,7 +271,7 @@ def write_state(state: tf.train.Checkpoint, storage: Storage, ctx: TaskContext, 
     """Every process that runs the loop writes `state` (a MultiWorkerMirrored save may run collectives), each
     to a temporary folder of its own; the chief uploads its copy with raytf.json (`meta(its folder)` plus the
     world size and the time) written last, then prunes to `keep`."""
-    ctx.phase("checkpointing")
+    ctx.channel.phase("checkpointing")
     started = time.time()
     local = tempfile.mkdtemp(prefix="raytf-ckpt-")
     try:
@@ -283,8 +281,8 @@ def write_state(state: tf.train.Checkpoint, storage: Storage, ctx: TaskContext, 
             storage.prune(keep)
     finally:
         shutil.rmtree(local, ignore_errors=True)
-    ctx.checkpointed(time.time() - started)
-    ctx.phase("train")
+    ctx.channel.checkpointed(time.time() - started)
+    ctx.channel.phase("train")
 
 
 # What TensorFlow raises for a checkpoint that reads but does not fit: "Received incompatible tensor with shape

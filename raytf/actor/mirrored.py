@@ -18,7 +18,7 @@ import tensorflow as tf
 from raytf.actor import export, inputs, loop
 from raytf.actor import steps as steps_lib
 from raytf.actor.context import TaskContext
-from raytf.protocol import WorkerPayload
+from raytf.protocol import Outcome, WorkerPayload
 
 # ---------------------------------------------------------------- the actor's half of the backend
 
@@ -45,11 +45,11 @@ def start(task, payload: WorkerPayload, ctx: TaskContext) -> tf.distribute.Strat
     return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
 
 
-def train(strategy: tf.distribute.Strategy, task, payload: WorkerPayload, ctx: TaskContext) -> dict[str, Any]:
+def train(strategy: tf.distribute.Strategy, task, payload: WorkerPayload, ctx: TaskContext) -> Outcome:
     return run(strategy, payload, ctx)
 
 
-def run(strategy: tf.distribute.Strategy, payload: WorkerPayload, ctx: TaskContext) -> dict[str, Any]:
+def run(strategy: tf.distribute.Strategy, payload: WorkerPayload, ctx: TaskContext) -> Outcome:
     if payload.spec.train_fn is not None:
         from raytf.actor import own_loop
 
@@ -157,7 +157,7 @@ class MirroredRunner:
         rows = self.plan.per_replica * self.plan.local_replicas * self.plan.micro_batches  # this worker's, per step
         return {f"worker-{self.ctx.rank}": self.fns.timing.totals(rows)} if self.fns.timing else {}
 
-    def finish(self) -> dict[str, Any]:
+    def finish(self) -> Outcome:
         exports = export.write(self.model, self.payload, self.ctx.staging_dir) if self.ctx.is_chief else {}
-        return {"weights_digest": steps_lib.weights_digest(self.model), "replicas": self.replicas,
-                "optimizer_steps": int(self.optimizer.iterations.numpy()), "exports": exports}
+        return Outcome(weights_digest=steps_lib.weights_digest(self.model), replicas=self.replicas,
+                       optimizer_steps=int(self.optimizer.iterations.numpy()), exports=exports)

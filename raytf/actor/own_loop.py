@@ -25,7 +25,7 @@ from raytf import backends
 from raytf.actor import loop
 from raytf.actor import steps as steps_lib
 from raytf.actor.context import StopTraining, TaskContext
-from raytf.protocol import WorkerPayload
+from raytf.protocol import CheckpointSaved, DrainStop, Outcome, WorkerPayload
 from raytf.actor.inputs import InputPlan
 from raytf.checkpoint import Storage
 from raytf.job_code import LEGACY_INSTALL
@@ -35,17 +35,15 @@ KERAS3_FIT_ERROR = "Attempt to convert a value (PerReplica"
 
 
 def run(strategy: tf.distribute.Strategy, payload: WorkerPayload, ctx: TaskContext,
-        own_loop: "type[OwnLoop] | None" = None) -> dict[str, Any]:
-    """Run the train_fn; `own_loop`: the class behind its ctx (default: MultiWorkerMirrored's)."""
+        own_loop: "OwnLoop | None" = None) -> Outcome:
+    """Run the train_fn; `own_loop`: what is behind its ctx (default: MultiWorkerMirrored's)."""
     spec = payload.spec
-    ctx.strategy = strategy
-    ctx.num_replicas = strategy.num_replicas_in_sync
-    ctx.per_replica_batch_size = spec.train.global_batch_size // ctx.num_replicas
-    ctx.own_loop = (own_loop or OwnLoop)(strategy, payload, ctx)
+    state_sync = None
     # Only replicated variables can drift apart (parameter servers hold one copy); tf-keras (Keras 2) keeps
     # BatchNormalization's statistics in sync itself.
     if backends.get(spec.strategy).replicated_variables and spec.train.keras != "legacy":
-        ctx.state_sync = lambda model: steps_lib.make_state_sync(strategy, model)()
+        state_sync = lambda model: steps_lib.make_state_sync(strategy, model)()  # noqa: E731
+    ctx.attach(own_loop or OwnLoop(strategy, payload, ctx), state_sync)
     # train.seed: Python's, NumPy's and TensorFlow's generators, as raytf's loop seeds its own (the same on
     # every worker, so initial weights agree), so a train_fn repeats too
     random.seed(spec.train.seed)
@@ -55,8 +53,8 @@ def run(strategy: tf.distribute.Strategy, payload: WorkerPayload, ctx: TaskConte
         payload.function("train_fn")(ctx)
         ctx.own_loop.finish()
     except StopTraining as stop:  # a drain notice: the checkpoint at the common step is written
-        return {"preempted": stop.info, "history": ctx.history, "steps": stop.info["step"],
-                "steps_run": stop.info["step"] - ctx.restored_step}
+        return Outcome(preempted=stop.info, history=ctx.history, steps=stop.info.step,
+                       steps_run=stop.info.step - ctx.restored_step)
     except Exception as exc:
         if KERAS3_FIT_ERROR in str(exc):
             raise RuntimeError(
@@ -68,28 +66,33 @@ def run(strategy: tf.distribute.Strategy, payload: WorkerPayload, ctx: TaskConte
     finally:
         ctx.own_loop.close()
     digest = steps_lib.weights_digest(ctx.saved_model) if ctx.saved_model is not None else None
-    return {"history": ctx.history, "weights_digest": digest, "steps": ctx.global_step,
-            "steps_run": ctx.global_step - ctx.restored_step, "replicas": ctx.num_replicas, "exports": ctx.exports}
+    return Outcome(history=ctx.history, weights_digest=digest, steps=ctx.global_step,
+                   steps_run=ctx.global_step - ctx.restored_step, replicas=ctx.num_replicas, exports=ctx.exports)
 
 
 class OwnLoop:
-    """The data and checkpoints behind a train_fn's ctx."""
+    """The strategy, data and checkpoints behind a train_fn's ctx (which takes its numbers from here)."""
+
+    coordinator = None  # parameter servers: the chief's ClusterCoordinator
 
     def __init__(self, strategy: tf.distribute.Strategy, payload: WorkerPayload, ctx: TaskContext):
         self.strategy, self.payload, self.ctx = strategy, payload, ctx
+        self.per_replica_batch_size = payload.spec.train.global_batch_size // strategy.num_replicas_in_sync
+        self.steps_per_epoch: int | None = None
+        self.validation_steps: int | None = None
         self.restored_files: list[str] = []  # checkpoints read, kept until the loop ends (deferred restores)
         self.last_checkpoint: LoopCheckpoint | None = None  # what a drain notice saves
         self.plan_input()
 
     def plan_input(self) -> None:
-        """The same plan as raytf's loop: shards, steps, batches (ctx.steps_per_epoch, validation_steps)."""
+        """The same plan as raytf's loop: shards, steps, batches (steps_per_epoch, validation_steps)."""
         self.plan = None
         if self.payload.train_data is not None:
             local_replicas = len(self.strategy.extended.worker_devices)
-            self.plan = InputPlan(self.payload, self.ctx.world_size, self.ctx.per_replica_batch_size, local_replicas,
+            self.plan = InputPlan(self.payload, self.ctx.world_size, self.per_replica_batch_size, local_replicas,
                                   cache_dir=self.ctx.staging_dir + ".cache")
-            self.ctx.steps_per_epoch = self.plan.steps
-            self.ctx.validation_steps = self.plan.val_steps or None
+            self.steps_per_epoch = self.plan.steps
+            self.validation_steps = self.plan.val_steps or None
 
     def finish(self) -> None:
         """After the train_fn returned: what the strategy must settle before the outcome counts."""
@@ -152,8 +155,8 @@ class OwnLoop:
             started = time.time()
             if ckpt.saved_step != step:  # the train_fn may have saved this very step itself
                 ckpt.save(step)
-            saved = {"step": step, "seconds": round(time.time() - started, 3)}
-        raise StopTraining({"step": step, "saved": saved})
+            saved = CheckpointSaved(step, round(time.time() - started, 3))
+        raise StopTraining(DrainStop(step, saved))
 
 
 class LoopCheckpoint:
@@ -183,9 +186,7 @@ class LoopCheckpoint:
         local = tempfile.mkdtemp(prefix="raytf-restore-")
         self.restored_files.append(local)
         loop.read_state(self.state, resume, self.payload.checkpoint_dir, self.ctx, self.options, keep_in=local)
-        self.ctx.history = [dict(h) for h in resume.history]
-        self.ctx.global_step = self.ctx.restored_step = resume.step
-        self.ctx.phase("train")
+        self.ctx.restored(resume.history, resume.step)
         return resume.step
 
     def save(self, step: int) -> None:

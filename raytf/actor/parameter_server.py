@@ -39,7 +39,7 @@ from raytf.actor import inputs, ps_own_loop
 from raytf.actor.ps_common import CHIEF_DEVICE, WORKER_INDEX_FILE, partitioner, watch_recoveries
 from raytf.actor import steps as steps_lib
 from raytf.actor.context import TaskContext
-from raytf.protocol import WorkerPayload
+from raytf.protocol import Outcome, WorkerPayload
 from raytf.actor.examples import Examples
 from raytf.checkpoint import CheckpointInfo, Storage
 
@@ -87,7 +87,7 @@ def prepare(task, payload: WorkerPayload, ctx: TaskContext) -> None:
     dataset_fn, or a train_fn that reads its own), the working directory stays the job's."""
     if task.role != "worker" or payload.train_data is None:
         return
-    ctx.phase("converting data")
+    ctx.channel.phase("converting data")
     info = payload.train_data
     shard = data.plan_shards([p.num_rows for p in info.pieces], payload.spec.cluster.workers)[task.index]
     try:
@@ -109,14 +109,14 @@ def start(task, payload: WorkerPayload, ctx: TaskContext):
                                 protocol="grpc", start=True)
 
 
-def train(server, task, payload: WorkerPayload, ctx: TaskContext) -> dict[str, Any]:
+def train(server, task, payload: WorkerPayload, ctx: TaskContext) -> Outcome:
     if server is not None:  # ps and workers serve the chief until the controller stops them
-        ctx.phase("serving")
+        ctx.channel.phase("serving")
         threading.Event().wait()
     return run_chief(payload, ctx) if task.role == "chief" else run_evaluator(payload, ctx)
 
 
-def run_chief(payload: WorkerPayload, ctx: TaskContext) -> dict[str, Any]:
+def run_chief(payload: WorkerPayload, ctx: TaskContext) -> Outcome:
     if payload.spec.train_fn is not None:
         return ps_own_loop.run(payload, ctx)
     return loop.run(ParameterServerRunner(payload, ctx), payload, ctx)
@@ -269,11 +269,12 @@ class ParameterServerRunner:
     def final_checkpoint_needed(self) -> bool:
         return self.payload.spec.cluster.evaluator  # the evaluator must see the final weights
 
-    def finish(self) -> dict[str, Any]:
+    def finish(self) -> Outcome:
         plain = plain_model(self.payload, self.model.get_weights())
         exports = export.write(plain, self.payload, self.ctx.staging_dir, plain=True)
-        return {"exports": exports, "weights_digest": steps_lib.weights_digest(plain), "replicas": self.strategy.num_replicas_in_sync,
-                "variable_devices": variable_devices(self.model), "recovered_workers": self.recoveries.recovered}
+        return Outcome(exports=exports, weights_digest=steps_lib.weights_digest(plain),
+                       replicas=self.strategy.num_replicas_in_sync, variable_devices=variable_devices(self.model),
+                       recovered_workers=self.recoveries.recovered)
 
 
 def plain_model(payload: WorkerPayload, weights: list) -> keras.Model:
@@ -368,7 +369,7 @@ def _validation(payload: WorkerPayload, batch: int, cache_dir: str):
 EVALUATOR_POLL_S = 0.5
 
 
-def run_evaluator(payload: WorkerPayload, ctx: TaskContext) -> dict[str, Any]:
+def run_evaluator(payload: WorkerPayload, ctx: TaskContext) -> Outcome:
     """Evaluate the latest checkpoint on the validation data whenever a new one appears (one that
     appears while another is evaluated waits; older ones are skipped), until the final step's. Reports
     val_* metrics per checkpoint; the chief never waits for it."""
@@ -393,14 +394,14 @@ def run_evaluator(payload: WorkerPayload, ctx: TaskContext) -> dict[str, Any]:
     final_step = spec.train.epochs * steps_per_epoch(payload)
     evaluated: list[dict[str, Any]] = []
     last_step = payload.resume_from.step if payload.resume_from else -1
-    ctx.phase("waiting for a checkpoint")
+    ctx.channel.phase("waiting for a checkpoint")
     while last_step < final_step:
         latest = storage.latest()
         if latest is None or latest.step <= last_step:
             time.sleep(EVALUATOR_POLL_S)
-            ctx.phase("waiting for a checkpoint")
+            ctx.channel.phase("waiting for a checkpoint")
             continue
-        ctx.phase("evaluating")
+        ctx.channel.phase("evaluating")
         try:
             weights = _load_weights(storage, latest)
         except (OSError, KeyError, ValueError):  # pruned by the chief meanwhile: take the next latest
@@ -417,9 +418,9 @@ def run_evaluator(payload: WorkerPayload, ctx: TaskContext) -> dict[str, Any]:
         if latest.step_in_epoch == 0:  # written at the end of epoch latest.epoch - 1
             entry["epoch"] = latest.epoch - 1
         evaluated.append(entry)
-        ctx.evaluation(entry)
+        ctx.channel.evaluation(entry)
         last_step = latest.step
-    return {"evaluations": evaluated, "history": [], "steps": last_step}
+    return Outcome(evaluations=evaluated, steps=last_step)
 
 
 def _load_weights(storage: Storage, checkpoint: CheckpointInfo) -> list[np.ndarray]:

@@ -17,6 +17,7 @@ parameter-server tutorial has them; ps and worker tasks serve TF's gRPC server a
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -26,22 +27,21 @@ from raytf import data
 from raytf.actor import own_loop
 from raytf.actor import inputs
 from raytf.actor.context import TaskContext
-from raytf.protocol import WorkerPayload
+from raytf.protocol import Outcome, WorkerPayload
 from raytf.actor.examples import Examples
 from raytf.actor.ps_common import CHIEF_DEVICE, WORKER_INDEX_FILE, partitioner, watch_recoveries
 
 
-def run(payload: WorkerPayload, ctx: TaskContext) -> dict[str, Any]:
+def run(payload: WorkerPayload, ctx: TaskContext) -> Outcome:
     recoveries = watch_recoveries()
     strategy = tf.distribute.ParameterServerStrategy(tf.distribute.cluster_resolver.TFConfigClusterResolver(),
                                                      variable_partitioner=partitioner(payload.spec))
     # One coordinator per strategy (TF keeps it on the strategy): a train_fn that makes its own, or
     # tf.keras's model.fit, gets this one.
-    ctx.coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-    count_finished_steps(ctx.coordinator, ctx)
-    outcome = own_loop.run(strategy, payload, ctx, ParameterServerOwnLoop)
-    outcome["recovered_workers"] = recoveries.recovered
-    return outcome
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    count_finished_steps(coordinator, ctx)
+    outcome = own_loop.run(strategy, payload, ctx, ParameterServerOwnLoop(strategy, payload, ctx, coordinator))
+    return dataclasses.replace(outcome, recovered_workers=recoveries.recovered)
 
 
 def count_finished_steps(coordinator, ctx: TaskContext) -> None:
@@ -55,7 +55,7 @@ def count_finished_steps(coordinator, ctx: TaskContext) -> None:
 
     def mark_finished():
         finished()
-        ctx.work_done()
+        ctx.channel.work_done()
 
     closures.mark_finished = mark_finished
 
@@ -63,17 +63,20 @@ def count_finished_steps(coordinator, ctx: TaskContext) -> None:
 class ParameterServerOwnLoop(own_loop.OwnLoop):
     """The data and checkpoints behind a train_fn's ctx on the parameter-server chief."""
 
+    def __init__(self, strategy, payload: WorkerPayload, ctx: TaskContext, coordinator):
+        self.coordinator = coordinator
+        super().__init__(strategy, payload, ctx)
+
     def plan_input(self) -> None:
-        spec, info, ctx = self.payload.spec, self.payload.train_data, self.ctx
-        self.coordinator = ctx.coordinator
+        spec, info = self.payload.spec, self.payload.train_data
         self.examples = None
         if info is None:
             return
-        ctx.steps_per_epoch = inputs.steps_per_epoch(spec, info.num_rows)
+        self.steps_per_epoch = inputs.steps_per_epoch(spec, info.num_rows)
         if spec.data.per_example:  # traced on the chief, run as a graph on each worker
             self.examples = Examples(self.payload, info, training=True)
         if self.payload.val_data is not None:  # on the chief, in batches of the global batch
-            ctx.validation_steps = max(1, math.ceil(self.payload.val_data.num_rows / spec.train.global_batch_size))
+            self.validation_steps = max(1, math.ceil(self.payload.val_data.num_rows / spec.train.global_batch_size))
 
     def dataset(self, name: str, epoch: int | None, skip: int) -> tf.data.Dataset:
         if name == "validation":
@@ -114,13 +117,13 @@ class ParameterServerOwnLoop(own_loop.OwnLoop):
         if skip < 0:
             raise ValueError(f"ctx.dataset('train', skip={skip}): skip is the steps already done, 0 or more")
         # As raytf's loop: a resumed run starts a new order, not the first epoch's again.
-        return self.payload.spec.train.seed + skip // self.ctx.steps_per_epoch + 1
+        return self.payload.spec.train.seed + skip // self.steps_per_epoch + 1
 
     def _train(self, seed: int) -> tf.data.Dataset:
         """This worker's records, endlessly, in batches of ctx.per_replica_batch_size (the global batch on
         CPU workers). Dataset ops only, so it can be built on the chief and run on a worker."""
         spec, info = self.payload.spec, self.payload.train_data
-        folder, batch = f"{data.RECORDS_DIR}/train", self.ctx.per_replica_batch_size
+        folder, batch = f"{data.RECORDS_DIR}/train", self.per_replica_batch_size
         if self.examples is None:
             return data.record_dataset(info, folder, batch, spec.train.shuffle_buffer, seed)
         # The per-example seeds need this worker's index: read inside the pipeline, on the worker.
@@ -135,7 +138,7 @@ class ParameterServerOwnLoop(own_loop.OwnLoop):
         shard = data.plan_shards([piece.num_rows for piece in info.pieces], 1)[0]
         examples = Examples(p, info, False, self.ctx.staging_dir + ".cache") if p.spec.data.per_example else None
         with tf.device(CHIEF_DEVICE):
-            return data.eval_dataset(info, p.val_root, shard, p.spec.train.global_batch_size, self.ctx.validation_steps,
+            return data.eval_dataset(info, p.val_root, shard, p.spec.train.global_batch_size, self.validation_steps,
                                      repeat=False, examples=examples)
 
     def checkpoint_settings(self) -> dict[str, Any]:

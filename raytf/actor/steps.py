@@ -439,7 +439,7 @@ def end_epoch(ctx, writer, history: list, metrics: dict[str, Any], val: dict[str
         metrics["val_examples"] = val["examples"]
     metrics.update(epoch=epoch, seconds=round(time.time() - started, 3), step=global_step)
     history.append(metrics)
-    ctx.epoch_end(metrics)
+    ctx.channel.epoch_end(metrics)
     if writer is not None:
         with writer.as_default(step=epoch):
             for k, v in metrics.items():

@@ -5,6 +5,7 @@ TensorFlow is imported only in `setup`, after TF_CONFIG is in the environment.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import socket
@@ -16,9 +17,10 @@ from typing import Any
 import ray
 
 from raytf.actor import raised, scratch, workdir
+from raytf.actor.channel import TaskChannel
 from raytf.actor.context import TaskContext
-from raytf.protocol import WorkerPayload
-from raytf.rendezvous import ActorReport, Task
+from raytf.protocol import Outcome, Progress, StopAnswer, WorkerPayload
+from raytf.rendezvous import ActorLocation, Task
 
 
 class TaskActor:
@@ -33,7 +35,8 @@ class TaskActor:
         self._held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._held.bind(("", port))
         self._port = self._held.getsockname()[1]
-        self._ctx: TaskContext | None = None
+        self._channel: TaskChannel | None = None  # what the driver polls while train runs
+        self._ctx: TaskContext | None = None  # what the loop (and a train_fn) sees of this task
         self._task: Task | None = None
         self._adopted_gpus: tuple[str, ...] | None = None
         self._backend = None  # the strategy's actor half (raytf.actor.<name>), imported in setup
@@ -46,21 +49,21 @@ class TaskActor:
         self._tf_import = threading.Thread(target=importlib.import_module, args=("tensorflow",), daemon=True)
         self._tf_import.start()
 
-    def report(self) -> ActorReport:
+    def location(self) -> ActorLocation:
         ctx = ray.get_runtime_context()
         gpu_ids = self._adopted_gpus if self._adopted_gpus is not None else tuple(str(g) for g in ray.get_gpu_ids())
-        return ActorReport(bundle_index=self._bundle_index, node_id=ctx.get_node_id(),
+        return ActorLocation(bundle_index=self._bundle_index, node_id=ctx.get_node_id(),
                            node_ip=ray.util.get_node_ip_address(), port=self._port, gpu_ids=gpu_ids,
                            cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
 
-    def adopt(self, gpu_ids: tuple[str, ...], cuda_visible_devices: str | None) -> ActorReport:
+    def adopt(self, gpu_ids: tuple[str, ...], cuda_visible_devices: str | None) -> ActorLocation:
         """A warm standby (started with no resources of its own, TensorFlow already imported) takes the
         place of a dead task in its bundle: the GPUs Ray gave that task become this process's, set before
         TensorFlow initialises any device (importing it does not)."""
         self._adopted_gpus = tuple(gpu_ids)
         if cuda_visible_devices is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
-        return self.report()
+        return self.location()
 
     def release_port(self) -> None:
         if self._held is not None:
@@ -85,7 +88,8 @@ class TaskActor:
         if self._scratch is None:
             self._make_scratch()
         os.environ["TF_CONFIG"] = tf_config  # an evaluator's names the cluster it is not part of, as TF's do
-        self._ctx = TaskContext(task.rank, world_size, payload.spec, self._staging, payload)
+        self._channel = TaskChannel(task.rank)
+        self._ctx = TaskContext(task.rank, world_size, payload.spec, self._staging, payload, self._channel)
         self._tf_import.join()
         import tensorflow as tf
 
@@ -128,17 +132,16 @@ class TaskActor:
         """Remove, in the background, the folders of this node's dead tasks, beside this one's."""
         threading.Thread(target=scratch.sweep, args=(os.path.dirname(self._scratch.path),), daemon=True).start()
 
-    def train(self, payload: WorkerPayload) -> dict[str, Any]:
+    def train(self, payload: WorkerPayload) -> Outcome:
         started = time.time()
         try:
             try:
                 outcome = self._backend.train(self._started, self._task, payload, self._ctx)
             except Exception as exc:
                 raise raised.capture(exc, [self._job_root, payload.job_dir]) from None
-            outcome.update(rank=self._ctx.rank, started_at=started, finished_at=time.time(),
-                           first_step_at=self._ctx.first_step_at)
-            outcome["artifacts"] = _collect(self._staging)  # the chief's model and events; any rank's profile
-            return outcome
+            # artifacts: the chief's model and events; any rank's profile
+            return dataclasses.replace(outcome, rank=self._ctx.rank, started_at=started, finished_at=time.time(),
+                                       first_step_at=self._channel.first_step_at, artifacts=_collect(self._staging))
         finally:  # the task's files on this node (data.cache: disk may be gigabytes), also when training failed
             self.cleanup()
             self._sweep_node()  # those of tasks killed in this job (a restart's) are gone by now
@@ -151,15 +154,15 @@ class TaskActor:
             os.chdir(self._job_root)  # out of the folder being removed
             self._scratch.remove()
 
-    def stop_at(self, step: int) -> dict[str, Any]:
+    def stop_at(self, step: int) -> StopAnswer:
         """A drain notice: stop training after optimizer step `step` and checkpoint there (answered while
-        train runs, like progress). {"accepted": ..., "step": the last step this task finished}."""
-        if self._ctx is None:
-            return {"accepted": False, "step": 0}
-        return self._ctx.request_stop(step)
+        train runs, like progress)."""
+        if self._channel is None:
+            return StopAnswer(False, 0)
+        return self._channel.request_stop(step)
 
-    def progress(self) -> dict[str, Any]:
-        return self._ctx.progress() if self._ctx else {"phase": "starting", "updated": time.time()}
+    def progress(self) -> Progress:
+        return self._channel.progress() if self._channel else Progress(updated=time.time())
 
 
 def _name_this_actor(name: str) -> None:

@@ -5,7 +5,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from raytf.rendezvous import ActorReport, Task
+    from raytf.rendezvous import ActorLocation, Task
     from raytf.spec import ClusterSpec, JobSpec
 
 
@@ -47,7 +47,7 @@ class Backend:
         """One placement-group bundle per TF task, in `roles` order."""
         raise NotImplementedError
 
-    def assign(self, reports: "list[ActorReport]", spec: "JobSpec") -> "list[Task]":
+    def assign(self, locations: "list[ActorLocation]", spec: "JobSpec") -> "list[Task]":
         """Ranks and roles for the started actors, ordered by rank (rank 0 is the chief)."""
         raise NotImplementedError
 

@@ -11,7 +11,7 @@ from raytf.backends.base import (
 )
 
 if TYPE_CHECKING:
-    from raytf.rendezvous import ActorReport, Task
+    from raytf.rendezvous import ActorLocation, Task
     from raytf.spec import JobSpec
 
 # cluster keys that only a parameter-server job has
@@ -36,10 +36,10 @@ class Mirrored(Backend):
     def bundles(self, spec: "JobSpec") -> list[dict[str, float]]:
         return [worker_bundle(spec.cluster) for _ in range(spec.cluster.workers)]
 
-    def assign(self, reports: "list[ActorReport]", spec: "JobSpec") -> "list[Task]":
+    def assign(self, locations: "list[ActorLocation]", spec: "JobSpec") -> "list[Task]":
         from raytf.rendezvous import assign_ranks
 
-        return assign_ranks(reports)
+        return assign_ranks(locations)
 
     def role_name(self, task: "Task") -> str:
         return "chief" if task.rank == 0 else "worker"

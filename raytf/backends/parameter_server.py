@@ -12,7 +12,7 @@ from raytf.backends.base import (
 )
 
 if TYPE_CHECKING:
-    from raytf.rendezvous import ActorReport, Task
+    from raytf.rendezvous import ActorLocation, Task
     from raytf.spec import JobSpec
 
 
@@ -43,10 +43,10 @@ class ParameterServer(Backend):
         return [worker_bundle(spec.cluster) if role in ("worker", "evaluator") else {"CPU": cpus[role] or 0.001}
                 for role in self.roles(spec)]
 
-    def assign(self, reports: "list[ActorReport]", spec: "JobSpec") -> "list[Task]":
+    def assign(self, locations: "list[ActorLocation]", spec: "JobSpec") -> "list[Task]":
         from raytf.rendezvous import assign_roles
 
-        return assign_roles(reports, self.roles(spec))
+        return assign_roles(locations, self.roles(spec))
 
     def who(self, ranks: list[int]) -> str:
         return "the chief" if ranks == [0] else super().who(ranks)  # the only task watched for progress

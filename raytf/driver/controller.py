@@ -4,7 +4,8 @@
 the policies (raytf.driver.policy: restarts, elastic sizes, replacements, hangs, every number in `Limits`); how
 is the `Resources` and `WorkerGroup` interfaces (raytf.driver.group; Ray's implementation in raytf.driver.ray_group,
 an in-memory one in tests/fakes.py) and an injected clock, so a unit test can step a job without Ray or TensorFlow. What
-differs between strategies is asked of the job's backend (raytf.backends). The controller owns every
+differs between strategies is asked of the job's backend (raytf.backends); node drains are watched by
+raytf.driver.drain. The controller owns every
 actor and placement group it creates and frees them on every path out (success, failure, Ctrl-C).
 """
 from __future__ import annotations
@@ -16,9 +17,10 @@ import time
 from typing import Any, Callable
 
 from raytf import backends
-from raytf.protocol import WorkerPayload
+from raytf.protocol import Outcome, Progress, WorkerPayload
 from raytf.checkpoint import Storage, resume_note
 from raytf.driver import failure as failure_lib
+from raytf.driver.drain import DrainWatch
 from raytf.driver.failure import Failure
 from raytf.driver.group import Finished, Resources, TaskError, WorkerGroup
 from raytf.driver.packaging import runtime_env, upload_code
@@ -28,13 +30,11 @@ from raytf.driver.policy import (
     ReplacementPolicy,
     RestartPolicy,
     ScalingPolicy,
-    checkpoint_fits,
     spec_for_workers,
     elastic_batch,
     heard,
     peer_grace_s,
     stalled,
-    stop_step,
 )
 from raytf.driver import stragglers
 from raytf.driver.report import ProgressDisplay, Result, summary_table, worker_lines, write_artifacts
@@ -96,10 +96,10 @@ class _Rate:
         self._prev: tuple[float, int] | None = None
         self.value: float | None = None
 
-    def update(self, p: dict[str, Any] | None) -> float | None:
-        if not p or "examples_seen" not in p:
+    def update(self, p: Progress | None) -> float | None:
+        if p is None or p.examples_seen is None:
             return self.value
-        point = (p["updated"], p["examples_seen"])
+        point = (p.updated, p.examples_seen)
         if self._prev and point[0] > self._prev[0] and point[1] > self._prev[1]:
             self.value = (point[1] - self._prev[1]) / (point[0] - self._prev[0])
         if not self._prev or point[1] != self._prev[1]:
@@ -141,37 +141,14 @@ class _Attempt:
     task_of: dict = dataclasses.field(default_factory=dict)  # train handle -> task
     awaited: list = dataclasses.field(default_factory=list)  # handles the attempt waits for
     side: list = dataclasses.field(default_factory=list)  # handles not waited for whose failure is handled
-    outcomes: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)  # by rank
+    outcomes: dict[int, Outcome] = dataclasses.field(default_factory=dict)  # by rank
     progress_seen: dict[int, Heard] = dataclasses.field(default_factory=dict)  # watched rank -> its last progress
     training_done_at: float | None = None  # every hang-watched task returned (an evaluator may go on)
     replacing: list[_Replacement] = dataclasses.field(default_factory=list)
     replacements: ReplacementPolicy | None = None
     standby_armed: bool = False
-    drain_checked_at: float = 0.0
-    notice: "_DrainNotice | None" = None  # a node of this attempt is draining
-    drains_let_go: set = dataclasses.field(default_factory=set)  # draining nodes whose loss the job survives
+    drains: DrainWatch | None = None  # its nodes' drain notices (raytf.driver.drain)
     last_step: int = 0  # the furthest optimizer step any rank reported
-
-
-@dataclasses.dataclass
-class _DrainNotice:
-    """A node of the attempt is draining: when raytf saw it, its deadline, and the step every loop-running
-    rank was asked to stop and checkpoint at (None: none asked, the attempt goes on until the node goes)."""
-
-    node_id: str
-    node_ip: str
-    ranks: list[int]  # the tasks on that node
-    seen_at: float
-    deadline: float | None  # epoch seconds; None: no deadline given
-    step_at_notice: int = 0  # the furthest rank's step when raytf saw the notice
-    stop_step: int | None = None
-
-    def details(self, now: float, saved_step: int | None) -> dict[str, Any]:
-        left = None if self.deadline is None else round(self.deadline - self.seen_at, 3)
-        return {"node_id": self.node_id, "node_ip": self.node_ip, "deadline": self.deadline,
-                "deadline_s_after_notice": left, "step_at_notice": self.step_at_notice, "stop_step": self.stop_step,
-                "step_saved": saved_step,
-                "notice_to_checkpoint_s": round(now - self.seen_at, 3) if saved_step is not None else None}
 
 
 class Controller:
@@ -255,7 +232,10 @@ class Controller:
                        if self.storage and (self.resume or self.decisions) else None)
         payload = dataclasses.replace(self.base_payload, spec=attempt_spec, resume_from=resume_from)
         self.attempt = _Attempt(attempt_spec, payload, backend.bundles(attempt_spec),
-                                replacements=ReplacementPolicy(attempt_spec.cluster.workers, self.limits))
+                                replacements=ReplacementPolicy(attempt_spec.cluster.workers, self.limits),
+                                drains=DrainWatch(spec, backend, self.resources, self.limits, self.display,
+                                                  can_save=self.storage is not None,
+                                                  last_checkpoint_s=self._checkpoint_s))
         self.result.workers = attempt_spec.cluster.workers
         self.result.batch = elastic_batch(spec, workers).to_dict()
         if self.decisions:
@@ -342,12 +322,13 @@ class Controller:
             for rank in a.progress_seen:
                 p = progress[rank]
                 if p is not None and rank not in a.outcomes:
-                    marker = (p.get("phase"), p.get("global_step"), p.get("work_done"))
-                    a.progress_seen[rank] = heard(a.progress_seen[rank], marker, p.get("cpu_s"), now, hang_timeout_s,
+                    marker = (p.phase, p.global_step, p.work_done)
+                    a.progress_seen[rank] = heard(a.progress_seen[rank], marker, p.cpu_s, now, hang_timeout_s,
                                                   self.limits)
-            a.last_step = max([a.last_step] + [p.get("global_step", 0) for p in progress if p])
-            if self._watch_drains(progress, now):
-                return  # the attempt ended for a drained node
+            a.last_step = max([a.last_step] + [p.global_step for p in progress if p])
+            drained = a.drains.poll(a.group, a.tasks, sorted(a.progress_seen), progress, a.last_step, now)
+            if drained is not None:  # the attempt ends for a draining node
+                return self._attempt_failed(drained, a.drains.node_ips)
             hung = stalled({r: seen.at for r, seen in a.progress_seen.items() if r not in a.outcomes}, now,
                            hang_timeout_s)
             if hung:
@@ -357,8 +338,8 @@ class Controller:
                                             sorted({a.tasks[r].node_ip for r in hung}))
             chief = progress[0]
             if chief is not None:
-                self.epochs.feed(chief.get("epochs", []))
-                if not a.standby_armed and chief.get("global_step", 0) > 0:
+                self.epochs.feed(chief.epochs)
+                if not a.standby_armed and chief.global_step > 0:
                     self._arm_standby()
                 self.display.update(chief, self._rate.update(chief))
         elif now - a.training_done_at > hang_timeout_s:  # only side-cars are left
@@ -367,8 +348,8 @@ class Controller:
                 self.result.evaluations_error = (f"the {task.role} did not finish within {hang_timeout_s:g}s "
                                                  f"(failure.hang_timeout_s) after training ended")
                 self.display.message(f"raytf: {self.result.evaluations_error}; stopping it")
-                final = (progress[task.rank] or {}).get("evaluations", [])
-                a.outcomes[task.rank] = {"evaluations": final, "history": []}
+                final = progress[task.rank].evaluations if progress[task.rank] else ()
+                a.outcomes[task.rank] = Outcome(evaluations=list(final))
                 a.awaited.remove(handle)
             return self._finish()
 
@@ -381,9 +362,12 @@ class Controller:
         (a.awaited if awaited else a.side).remove(finished.handle)
         if finished.error is None:
             a.outcomes[task.rank] = finished.outcome
-            if "preempted" in finished.outcome:  # stopped for a drain notice, its checkpoint written
+            if finished.outcome.preempted is not None:  # stopped for a drain notice, its checkpoint written
                 if task.rank == 0:  # the chief uploads the checkpoint: once it returns, it is there
-                    self._end_preempted(finished.outcome["preempted"])
+                    stop = finished.outcome.preempted
+                    if stop.saved:
+                        self._checkpoint_s = stop.saved.seconds  # the next notice's estimate
+                    self._attempt_failed(a.drains.stopped(stop, self.clock.now()), a.drains.node_ips)
                     return True
                 return False
             if all(rank in a.outcomes for rank in a.progress_seen):  # side-cars (an evaluator) may go on
@@ -443,110 +427,16 @@ class Controller:
 
     def _attempt_failed(self, failure: Failure, nodes: list[str] | None = None) -> None:
         a = self.attempt
-        notice = a.notice if a is not None else None
-        # Infrastructure trouble during a notice is the drained node going before its checkpoint: a preemption.
-        # An error in the user's code is not, and ends the job as it would without the notice.
-        if notice is not None and failure.kind in failure_lib.RESTARTABLE:
-            message = (f"node {notice.node_ip} was draining and {failure.message}; the checkpoint-now did not "
-                       f"finish, so the job goes back to its last checkpoint")
-            failure = Failure("preempted", message, tuple(notice.ranks), {message: notice.ranks},
-                              {**notice.details(self.clock.now(), None), "cause": failure.message})
-            nodes = [notice.node_ip]
+        if a is not None and a.drains is not None:  # during a drain notice, lost infrastructure is the node going
+            seen_as = a.drains.during_notice(failure, self.clock.now())
+            if seen_as is not failure:
+                failure, nodes = seen_as, a.drains.node_ips
         failure.details.setdefault("last_step", a.last_step if a is not None else 0)
         if failure.kind in ("error", "checkpoint", "io"):  # the tasks answer: an exception, not a lost actor
             self._last_epochs()
         self._stop_group()
         self.failure = (failure, nodes or [])
         self.state = RESTARTING
-
-    # ---------------------------------------------------------------- preemption
-
-    def _watch_drains(self, progress: list[dict[str, Any] | None], now: float) -> bool:
-        """Ask Ray's GCS (every Limits.drain_check_s) whether a node of this attempt is draining; on the first
-        such notice, have every loop-running rank stop at one common step and checkpoint there. While that
-        goes on, give up on it once the deadline (or Limits.preempt_wait_s) has passed. True: the attempt ended."""
-        a, spec = self.attempt, self.spec
-        if not spec.failure.preemption:
-            return False
-        if a.notice is not None:
-            limit = a.notice.deadline if a.notice.deadline is not None else a.notice.seen_at + self.limits.preempt_wait_s
-            if a.notice.stop_step is not None and now > limit:
-                self._fall_back(f"the checkpoint at step {a.notice.stop_step} did not finish before "
-                                + ("the node's deadline" if a.notice.deadline is not None else
-                                   f"{self.limits.preempt_wait_s:g}s (Limits.preempt_wait_s)"))
-                return True
-            return False
-        if now - a.drain_checked_at < self.limits.drain_check_s:
-            return False
-        a.drain_checked_at = now
-        draining = self.resources.draining()
-        on_drained = [t for t in a.tasks if t.node_id in draining and t.node_id not in a.drains_let_go]
-        # A node holding only tasks the job goes on without (parameter-server workers, replaced; an
-        # evaluator, recorded) is let go: no checkpoint-now, no restart; its tasks are dealt with when it goes.
-        fatal = [t for t in on_drained if self.backend.supervision[t.role].on_failure == "fatal"]
-        for node in sorted({t.node_id for t in on_drained} - {t.node_id for t in fatal}):
-            a.drains_let_go.add(node)
-            let_go = [t for t in on_drained if t.node_id == node]
-            self.display.message(f"raytf: node {let_go[0].node_ip} ({self.backend.who([t.rank for t in let_go])}) "
-                                 f"is draining; training goes on without it")
-        if not fatal:
-            return False
-        node = fatal[0].node_id
-        a.notice = notice = _DrainNotice(node, on_drained[0].node_ip, [t.rank for t in a.tasks if t.node_id == node],
-                                         now, draining[node], a.last_step)
-        when = "no deadline" if notice.deadline is None else f"deadline in {notice.deadline - now:.0f}s"
-        said = f"raytf: node {notice.node_ip} ({self.backend.who(notice.ranks)}) is draining ({when})"
-        if self.storage is None:
-            self.display.message(f"{said}; there is no checkpoint.dir to save to, so training goes on until the "
-                                 f"node goes")
-            return False
-        loop_ranks = sorted(a.progress_seen)
-        checkpoint_s = max([p.get("checkpoint_s", 0.0) for p in progress if p] + [self._checkpoint_s or 0.0]) or None
-        seconds_left = None if notice.deadline is None else notice.deadline - now
-        answered = [progress[r] for r in loop_ranks if progress[r] is not None]
-        rates = [p["steps_per_s"] for p in answered if p.get("steps_per_s")]
-        steps = [p.get("global_step", 0) for p in answered]
-        target = stop_step(steps, max(rates, default=None), self.limits.preempt_margin_s)
-        # the slowest rank's way to the stop step, at the slowest rate (no rate yet: the margin)
-        to_stop_s = (target - min(steps, default=0)) / min(rates) if rates else self.limits.preempt_margin_s
-        if not checkpoint_fits(seconds_left, checkpoint_s, to_stop_s):
-            self._fall_back(f"{seconds_left:.1f}s left is too short for a checkpoint (the last took "
-                            f"{checkpoint_s:.1f}s)", said)
-            return True
-        answers = a.group.stop_at(loop_ranks, target, self.limits.progress_timeout_s)
-        refused = [r for r, answer in zip(loop_ranks, answers) if not (answer and answer["accepted"])]
-        if refused:
-            self._fall_back(f"{self.backend.who(refused)} could not stop at step {target} (already past it, or no "
-                            f"answer)", said)
-            return True
-        notice.stop_step = target
-        self.display.message(f"{said}: every worker stops at step {target} and checkpoints there")
-        return False
-
-    def _end_preempted(self, stopped: dict[str, Any]) -> None:
-        """The chief stopped for the drain notice (its checkpoint written, if it could be): end the attempt."""
-        a, now = self.attempt, self.clock.now()
-        notice = a.notice
-        saved = stopped.get("saved")
-        if saved:
-            self._checkpoint_s = saved["seconds"]
-        step = saved["step"] if saved else None
-        message = (f"node {notice.node_ip} is draining: " + (f"checkpoint at step {step}" if saved else
-                                                             "no checkpoint could be written (the train_fn made none)"))
-        details = {**notice.details(now, step), "last_step": stopped["step"],
-                   "checkpoint_s": saved["seconds"] if saved else None,
-                   "request_to_step_s": stopped.get("request_to_step_s")}  # the chief's, to the stop step
-        self._attempt_failed(Failure("preempted", message, tuple(notice.ranks), {message: notice.ranks}, details),
-                             [notice.node_ip])
-
-    def _fall_back(self, why: str, said: str | None = None) -> None:
-        """A drain notice whose checkpoint-now cannot be had: end the attempt now, back to the last checkpoint."""
-        notice = self.attempt.notice
-        if said:
-            self.display.message(f"{said}: {why}; going back to the last checkpoint")
-        message = f"node {notice.node_ip} is draining: {why}"
-        self._attempt_failed(Failure("preempted", message, tuple(notice.ranks), {message: notice.ranks},
-                                     notice.details(self.clock.now(), None)), [notice.node_ip])
 
     def _decide(self) -> None:
         failure, nodes = self.failure
@@ -576,37 +466,38 @@ class Controller:
         spec, result = self.spec, self.result
         chief = a.outcomes[0]
         if self.decisions:  # when training was back on its feet after the last failure
-            self.decisions[-1]["first_step_at"] = chief.get("first_step_at")
-        self.epochs.feed(chief["history"])  # the epochs that ended after the last poll
-        for outcome in a.outcomes.values():
-            write_artifacts(self.job.output_dir, outcome.pop("artifacts", {}))
+            self.decisions[-1]["first_step_at"] = chief.first_step_at
+        self.epochs.feed(chief.history)  # the epochs that ended after the last poll
+        for rank, outcome in a.outcomes.items():
+            write_artifacts(self.job.output_dir, outcome.artifacts)
+            a.outcomes[rank] = dataclasses.replace(outcome, artifacts={})  # written: not held in memory twice
         result.status = "succeeded"
-        result.history = chief["history"]
-        result.variable_devices = chief.get("variable_devices", {})
-        recovered = chief.get("recovered_workers", [])
+        result.history = chief.history
+        result.variable_devices = chief.variable_devices
+        recovered = chief.recovered_workers
         for loss in self.worker_losses:  # the coordinator took the replacement back
             loss["rejoined"] = any(d.endswith(f"/job:worker/replica:0/task:{loss['worker']}") for d in recovered)
-        evaluator = [a.outcomes.get(t.rank, {}) for t in a.tasks if t.role == "evaluator"]
+        evaluator = [a.outcomes.get(t.rank, Outcome()) for t in a.tasks if t.role == "evaluator"]
         if evaluator:
-            result.evaluations = evaluator[0].get("evaluations", [])
+            result.evaluations = evaluator[0].evaluations
             _merge_evaluations(result.history, result.evaluations)
         result.tasks = self._task_entries(a)
         timing = {}  # "worker-<i>" -> its input wait and step time (each mirrored worker's own; the PS chief's)
         for outcome in a.outcomes.values():
-            timing.update(outcome.get("timing") or {})
+            timing.update(outcome.timing)
         for task, entry in zip(a.tasks, result.tasks):
             if task.role == "worker":
                 entry.update(timing.get(f"worker-{task.index}", {}))
         train_s = None
-        if chief.get("first_step_at"):
-            result.time_to_first_step_s = round(chief["first_step_at"] - self.started, 3)
-            train_s = chief["finished_at"] - chief["first_step_at"]
-            steps_after_first = max(chief["steps_run"] - 1, 0)
+        if chief.first_step_at:
+            result.time_to_first_step_s = round(chief.first_step_at - self.started, 3)
+            train_s = chief.finished_at - chief.first_step_at
+            steps_after_first = max((chief.steps_run or 0) - 1, 0)
             if train_s > 0 and steps_after_first:
                 result.examples_per_s = round(steps_after_first * spec.train.effective_batch_size / train_s, 1)
         synchronous = self.backend.synchronous_steps
         result.stragglers = stragglers.find([e for e in result.tasks if "timed_steps" in e], train_s, synchronous)
-        result.exports = {fmt: str(self.job.output_dir / rel) for fmt, rel in chief.get("exports", {}).items()}
+        result.exports = {fmt: str(self.job.output_dir / rel) for fmt, rel in chief.exports.items()}
         result.model_path = result.exports.get("keras")
         tb = self.job.output_dir / "tensorboard"
         result.tensorboard_dir = str(tb) if tb.exists() else None
@@ -624,12 +515,13 @@ class Controller:
 
     def _task_entries(self, a: _Attempt) -> list[dict[str, Any]]:
         """result.json's tasks: where each ran, and what it returned (nothing yet, for a failed attempt)."""
+        none = Outcome()
         return [dict(rank=t.rank, role=self.backend.role_name(t), index=t.index, node_ip=t.node_ip,
                      node_id=t.node_id, address=t.address, gpu_ids=list(t.gpu_ids),
                      cuda_visible_devices=t.cuda_visible_devices,
-                     weights_digest=a.outcomes.get(t.rank, {}).get("weights_digest"),
-                     steps=a.outcomes.get(t.rank, {}).get("steps"),
-                     optimizer_steps=a.outcomes.get(t.rank, {}).get("optimizer_steps"))
+                     weights_digest=a.outcomes.get(t.rank, none).weights_digest,
+                     steps=a.outcomes.get(t.rank, none).steps,
+                     optimizer_steps=a.outcomes.get(t.rank, none).optimizer_steps)
                 for t in a.tasks]
 
     def _record_failure(self, exc: BaseException) -> None:
@@ -663,7 +555,7 @@ class Controller:
         except Exception:  # the group is going down; what was seen is kept
             return
         if chief is not None:
-            self.epochs.feed(chief.get("epochs", []))
+            self.epochs.feed(chief.epochs)
 
     def _stop_group(self) -> None:
         if self.attempt is not None and self.attempt.group is not None:

@@ -11,8 +11,8 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 if TYPE_CHECKING:
-    from raytf.protocol import WorkerPayload
-    from raytf.rendezvous import ActorReport, Task
+    from raytf.protocol import Outcome, Progress, StopAnswer, WorkerPayload
+    from raytf.rendezvous import ActorLocation, Task
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,22 +32,22 @@ class Finished:
     """A train call that returned: its outcome, or its error."""
 
     handle: Any
-    outcome: dict[str, Any] | None = None
+    outcome: "Outcome | None" = None
     error: TaskError | None = None
 
 
 class WorkerGroup(Protocol):
     """The actors of one attempt, one per bundle."""
 
-    def start(self, timeout_s: float) -> list["ActorReport"]: ...
+    def start(self, timeout_s: float) -> list["ActorLocation"]: ...
     def setup(self, tasks: "list[Task]", payload: "WorkerPayload", timeout_s: float) -> Any: ...
     def train(self, payload: "WorkerPayload") -> list[Any]: ...  # one handle per rank
     def wait(self, handles: list[Any], timeout_s: float) -> list[Finished]: ...  # those done, maybe none
-    def progress(self, timeout_s: float) -> list[dict[str, Any] | None]: ...  # by rank; None: no answer
+    def progress(self, timeout_s: float) -> "list[Progress | None]": ...  # by rank; None: no answer
     def replace(self, task: "Task", payload: "WorkerPayload", timeout_s: float) -> Any: ...  # a new handle
-    # A drain notice: these ranks stop after optimizer step `step` and checkpoint there. By rank, each
-    # {"accepted": bool, "step": the last step it finished}, or None where it did not answer in time.
-    def stop_at(self, ranks: list[int], step: int, timeout_s: float) -> list[dict[str, Any] | None]: ...
+    # A drain notice: these ranks stop after optimizer step `step` and checkpoint there. In the order of
+    # `ranks`, each one's answer, or None where it did not answer in time.
+    def stop_at(self, ranks: list[int], step: int, timeout_s: float) -> "list[StopAnswer | None]": ...
     def stop(self) -> None: ...
 
 

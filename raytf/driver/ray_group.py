@@ -11,13 +11,13 @@ import ray
 from ray.exceptions import ActorAlreadyExistsError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raytf.protocol import WorkerPayload
+from raytf.protocol import Progress, StopAnswer, WorkerPayload
 from raytf.actor.raised import summary
 from raytf.actor.task_actor import TaskActor
 from raytf.driver import placement
 from raytf.driver.group import Finished, TaskError
 from raytf.errors import PortTaken, TaskException, WorkerStartupError
-from raytf.rendezvous import ActorReport, Task, task_name, tf_config, tf_configs
+from raytf.rendezvous import ActorLocation, Task, task_name, tf_config, tf_configs
 
 _RemoteTaskActor = ray.remote(TaskActor)
 
@@ -128,20 +128,20 @@ class RayWorkerGroup:
         self._lock = threading.Lock()
         self._stopped = False
 
-    def start(self, timeout_s: float) -> list[ActorReport]:
-        """Create one actor per bundle, named after the task it will play, and collect what each reports."""
+    def start(self, timeout_s: float) -> list[ActorLocation]:
+        """Create one actor per bundle, named after the task it will play, and collect where each is."""
         if self._plan_names is not None:
             self._names = self._plan_names(bundle_nodes(self.pg))
-        reports = []
+        locations = []
         for index in range(len(self.bundles)):
             if index in self.standby:
                 actor, gpu_ids, visible = self.standby.pop(index)
-                reports.append(actor.adopt.remote(gpu_ids, visible))
+                locations.append(actor.adopt.remote(gpu_ids, visible))
             else:
                 actor = self._create(index)
-                reports.append(actor.report.remote())
+                locations.append(actor.location.remote())
             self.actors.append(actor)
-        return self._get(reports, timeout_s, "report in", [f"bundle {i}" for i in range(len(self.actors))])
+        return self._get(locations, timeout_s, "report in", [f"bundle {i}" for i in range(len(self.actors))])
 
     def _create(self, index: int, port: int = 0):
         name = self._names.get(index)
@@ -167,9 +167,9 @@ class RayWorkerGroup:
             actor = self._create(task.bundle_index, port=task.port)
             self.actors[task.bundle_index] = actor  # stop() kills it whatever happens next
         try:
-            report = self._get([actor.report.remote()], timeout_s, "report in", [f"rank {task.rank}"])[0]
-            if report.node_ip != task.node_ip:
-                raise WorkerStartupError(f"its bundle moved from {task.node_ip} to {report.node_ip}")
+            where = self._get([actor.location.remote()], timeout_s, "report in", [f"rank {task.rank}"])[0]
+            if where.node_ip != task.node_ip:
+                raise WorkerStartupError(f"its bundle moved from {task.node_ip} to {where.node_ip}")
             self._get([actor.setup.remote(task, tf_config(self.tasks, task), len(self.tasks), payload)], timeout_s,
                       "start TensorFlow", [f"rank {task.rank}"])
         except WorkerStartupError:
@@ -204,12 +204,12 @@ class RayWorkerGroup:
                 out.append(Finished(ref, error=task_error(exc)))
         return out
 
-    def progress(self, timeout_s: float) -> list[dict[str, Any] | None]:
+    def progress(self, timeout_s: float) -> list[Progress | None]:
         """Each rank's latest progress; None for a rank that did not answer in time."""
         refs = [a.progress.remote() for a in self._by_rank]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         ready_set = set(ready)
-        out: list[dict[str, Any] | None] = []
+        out: list[Progress | None] = []
         for ref in refs:
             try:
                 out.append(ray.get(ref) if ref in ready_set else None)
@@ -217,10 +217,10 @@ class RayWorkerGroup:
                 out.append(None)
         return out
 
-    def stop_at(self, ranks: list[int], step: int, timeout_s: float) -> list[dict[str, Any] | None]:
+    def stop_at(self, ranks: list[int], step: int, timeout_s: float) -> list[StopAnswer | None]:
         refs = [self._by_rank[r].stop_at.remote(step) for r in ranks]
         ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0])
-        out: list[dict[str, Any] | None] = []
+        out: list[StopAnswer | None] = []
         for ref in refs:
             try:
                 out.append(ray.get(ref) if ref in ready else None)
@@ -326,7 +326,7 @@ class RayResources:
         actors, self._standby = self._standby, {}
         usable = {i: a for i, a in actors.items()
                   if i < count and self._standby_pg is not None and pg.id == self._standby_pg.id}
-        refs = {i: a[0].report.remote() for i, a in usable.items()}
+        refs = {i: a[0].location.remote() for i, a in usable.items()}
         ready = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.standby_check_s)[0] if refs else []
         alive = {}
         for i, ref in refs.items():

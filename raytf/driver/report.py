@@ -9,7 +9,10 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from raytf.protocol import Progress
 
 
 @dataclasses.dataclass
@@ -136,16 +139,17 @@ class ProgressDisplay:
         shown = "  ".join(f"{k} {_fmt(v)}" for k, v in metrics.items() if k not in ("epoch", "step", "seconds"))
         self.message(f"epoch {metrics['epoch']} done in {metrics.get('seconds', 0):.1f}s: {shown}")
 
-    def update(self, chief: dict[str, Any] | None, examples_per_s: float | None) -> None:
-        if self.quiet or not chief:
+    def update(self, chief: "Progress | None", examples_per_s: float | None) -> None:
+        if self.quiet or chief is None:
             return
         now = time.time()
-        if chief.get("phase") != "train" or now - self._last < self.interval_s:
+        if chief.phase != "train" or now - self._last < self.interval_s:
             return
         self._last = now
         rate = f"{examples_per_s:,.0f} ex/s" if examples_per_s else "-- ex/s"
-        text = (f"epoch {chief.get('epoch')} step {chief.get('step')}/{chief.get('steps')} "
-                f"loss {chief.get('loss', float('nan')):.4f} {rate} [{now - self._started:.0f}s]")
+        loss = float("nan") if chief.loss is None else chief.loss
+        text = (f"epoch {chief.epoch} step {chief.step}/{chief.steps} "
+                f"loss {loss:.4f} {rate} [{now - self._started:.0f}s]")
         if self.live:
             self._width = max(self._width, len(text))
             print("\r" + text.ljust(self._width), end="", file=self.stream, flush=True)

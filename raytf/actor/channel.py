@@ -1,0 +1,104 @@
+"""A task's channel to the driver: what the task actor answers when polled (Progress: phase, step, rate, CPU
+time, epochs so far) and the drain notice's stop request, read from another thread of the actor while the
+loop runs. raytf's loops and the user's ctx (raytf.actor.context) report into it; only the task actor and
+the loops hold it. No TensorFlow here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from typing import Any
+
+from raytf.protocol import Progress, StopAnswer
+
+
+class TaskChannel:
+    def __init__(self, rank: int, full_update_s: float = 0.5):
+        self._lock = threading.Lock()
+        self._full_update_s = full_update_s  # between steps' full updates (loss, rate); the step itself always
+        self._last_full = (0.0, 0)  # (when, global step) of the last full update
+        self._progress = Progress(rank=rank, pid=os.getpid(), updated=time.time())
+        self._epochs: list[dict[str, Any]] = []
+        self._evaluations: list[dict[str, Any]] = []
+        self._stop_at: int | None = None  # a drain notice: the step the loop stops and checkpoints at
+        self.stop_requested_at: float | None = None
+        self._last_step = 0  # the last step the loop finished, as stop_due saw it
+        self.first_step_at: float | None = None  # the Outcome's: when training was under way
+
+    # -- a drain notice (raytf.driver.drain): every loop-running rank stops at one common step
+    def request_stop(self, step: int) -> StopAnswer:
+        """Stop after optimizer step `step`. Accepted only while the loop has not finished it yet (it may
+        be inside the step after the last one it finished), so every rank that accepts stops at exactly
+        `step`; the driver gives up on the checkpoint when one does not accept."""
+        with self._lock:
+            accepted = step > self._last_step
+            if accepted:
+                self._stop_at, self.stop_requested_at = step, time.time()
+            return StopAnswer(accepted, self._last_step)
+
+    def stop_due(self, step: int) -> bool:
+        """Called by the loop after each optimizer step (`step`: done so far): whether to stop here."""
+        with self._lock:
+            self._last_step = step
+            return self._stop_at is not None and step >= self._stop_at
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop_at is not None
+
+    def checkpointed(self, seconds: float) -> None:
+        """How long the last checkpoint took: the driver compares it with a draining node's deadline."""
+        with self._lock:
+            self._progress = dataclasses.replace(self._progress, checkpoint_s=round(seconds, 3))
+
+    # -- progress, called on every step; cheap unless a full update is due
+    def train_step(self, epoch: int, step: int, steps: int | None, global_step: int, loss, examples: int) -> None:
+        now = time.time()
+        if self.first_step_at is None:
+            self.first_step_at = now
+        if now - self._last_full[0] < self._full_update_s and step != steps:
+            with self._lock:
+                self._progress = dataclasses.replace(self._progress, global_step=global_step, updated=now)
+            return
+        (then, step_then), self._last_full = self._last_full, (now, global_step)
+        rate = (global_step - step_then) / (now - then) if then and now > then else None
+        with self._lock:
+            self._progress = dataclasses.replace(
+                self._progress, phase="train", epoch=epoch, step=step, steps=steps, global_step=global_step,
+                loss=float("nan") if loss is None else float(loss), examples_seen=examples * global_step, updated=now,
+                # since the last full update: a drain's stop step
+                steps_per_s=round(rate, 2) if rate is not None else self._progress.steps_per_s)
+
+    def work_done(self) -> None:
+        """A unit of work finished that is not an optimizer step this task took (a parameter-server worker
+        ran a function the chief's train_fn scheduled): progress for the hang watchdog."""
+        with self._lock:
+            self._progress = dataclasses.replace(self._progress, work_done=self._progress.work_done + 1)
+
+    def phase(self, name: str) -> None:
+        """A named stretch of work (validating, checkpointing, restoring): progress for the hang watchdog."""
+        with self._lock:
+            self._progress = dataclasses.replace(self._progress, phase=name, updated=time.time())
+        self._last_full = (0.0, 0)  # steps_per_s starts over after this: it measures stepping only
+
+    def epoch_end(self, metrics: dict[str, Any]) -> None:
+        if self.first_step_at is None:  # a train_fn that reports epochs and no step
+            self.first_step_at = time.time()
+        with self._lock:
+            self._epochs.append(dict(metrics))
+            self._progress = dataclasses.replace(self._progress, phase="epoch_end", updated=time.time())
+        self._last_full = (0.0, 0)
+
+    def evaluation(self, metrics: dict[str, Any]) -> None:
+        """The evaluator side-car's result for one checkpoint."""
+        with self._lock:
+            self._evaluations.append(dict(metrics))
+            self._progress = dataclasses.replace(self._progress, phase="evaluated", updated=time.time())
+
+    def progress(self) -> Progress:
+        """The latest step, and every epoch's metrics so far (so a slow poller misses none)."""
+        with self._lock:
+            return dataclasses.replace(self._progress, epochs=tuple(self._epochs), evaluations=tuple(self._evaluations),
+                                       cpu_s=time.process_time())

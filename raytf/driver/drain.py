@@ -1,0 +1,162 @@
+"""Node drains (preemption), for one attempt: raytf asks Ray's GCS which nodes are draining (`ray drain-node`,
+the autoscaler, a cloud's preemption notice); on the first notice for a node whose loss ends the attempt,
+every loop-running rank is asked to stop at one common step and checkpoint there, and the attempt ends once
+the chief has (or falls back to the last checkpoint when that cannot be had in time).
+
+The controller calls `poll` once per supervision round, `stopped` when the chief returns stopped for the
+notice, and `during_notice` for any other failure of the attempt. What the numbers decide (the stop step,
+whether a checkpoint fits before the deadline) is raytf.driver.policy's.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from raytf.driver import failure as failure_lib
+from raytf.driver.failure import Failure
+from raytf.driver.policy import Limits, checkpoint_fits, stop_step
+
+if TYPE_CHECKING:
+    from raytf.backends.base import Backend
+    from raytf.driver.group import Resources, WorkerGroup
+    from raytf.driver.report import ProgressDisplay
+    from raytf.protocol import DrainStop, Progress
+    from raytf.rendezvous import Task
+    from raytf.spec import JobSpec
+
+
+@dataclasses.dataclass
+class DrainNotice:
+    """A node of the attempt is draining: when raytf saw it, its deadline, and the step every loop-running
+    rank was asked to stop and checkpoint at (None: none asked, the attempt goes on until the node goes)."""
+
+    node_id: str
+    node_ip: str
+    ranks: list[int]  # the tasks on that node
+    seen_at: float
+    deadline: float | None  # epoch seconds; None: no deadline given
+    step_at_notice: int = 0  # the furthest rank's step when raytf saw the notice
+    stop_step: int | None = None
+
+    def details(self, now: float, saved_step: int | None) -> dict[str, Any]:
+        """result.json's restart entry for it (kept as it was: users read these keys)."""
+        left = None if self.deadline is None else round(self.deadline - self.seen_at, 3)
+        return {"node_id": self.node_id, "node_ip": self.node_ip, "deadline": self.deadline,
+                "deadline_s_after_notice": left, "step_at_notice": self.step_at_notice, "stop_step": self.stop_step,
+                "step_saved": saved_step,
+                "notice_to_checkpoint_s": round(now - self.seen_at, 3) if saved_step is not None else None}
+
+
+class DrainWatch:
+    """One attempt's watch on its nodes. `can_save`: the job has a checkpoint.dir to checkpoint into;
+    `last_checkpoint_s`: how long the last checkpoint-now took (an earlier attempt's), if any."""
+
+    def __init__(self, spec: "JobSpec", backend: "Backend", resources: "Resources", limits: Limits,
+                 display: "ProgressDisplay", can_save: bool, last_checkpoint_s: float | None = None):
+        self.spec, self.backend, self.resources, self.limits, self.display = spec, backend, resources, limits, display
+        self.can_save, self.last_checkpoint_s = can_save, last_checkpoint_s
+        self.notice: DrainNotice | None = None
+        self._checked_at = 0.0
+        self._let_go: set[str] = set()  # draining nodes whose loss the job survives
+
+    def poll(self, group: "WorkerGroup", tasks: "list[Task]", loop_ranks: list[int],
+             progress: "list[Progress | None]", last_step: int, now: float) -> Failure | None:
+        """Ask Ray's GCS (every Limits.drain_check_s) whether a node of this attempt is draining; on the first
+        such notice, have every loop-running rank stop at one common step and checkpoint there. While that
+        goes on, give up on it once the deadline (or Limits.preempt_wait_s) has passed. A Failure: end the
+        attempt with it (on the notice's node)."""
+        if not self.spec.failure.preemption:
+            return None
+        notice = self.notice
+        if notice is not None:
+            limit = notice.deadline if notice.deadline is not None else notice.seen_at + self.limits.preempt_wait_s
+            if notice.stop_step is not None and now > limit:
+                return self._fall_back(f"the checkpoint at step {notice.stop_step} did not finish before "
+                                       + ("the node's deadline" if notice.deadline is not None else
+                                          f"{self.limits.preempt_wait_s:g}s (Limits.preempt_wait_s)"), now)
+            return None
+        if now - self._checked_at < self.limits.drain_check_s:
+            return None
+        self._checked_at = now
+        draining = self.resources.draining()
+        on_drained = [t for t in tasks if t.node_id in draining and t.node_id not in self._let_go]
+        # A node holding only tasks the job goes on without (parameter-server workers, replaced; an
+        # evaluator, recorded) is let go: no checkpoint-now, no restart; its tasks are dealt with when it goes.
+        fatal = [t for t in on_drained if self.backend.supervision[t.role].on_failure == "fatal"]
+        for node in sorted({t.node_id for t in on_drained} - {t.node_id for t in fatal}):
+            self._let_go.add(node)
+            let_go = [t for t in on_drained if t.node_id == node]
+            self.display.message(f"raytf: node {let_go[0].node_ip} ({self.backend.who([t.rank for t in let_go])}) "
+                                 f"is draining; training goes on without it")
+        if not fatal:
+            return None
+        node = fatal[0].node_id
+        self.notice = notice = DrainNotice(node, on_drained[0].node_ip, [t.rank for t in tasks if t.node_id == node],
+                                           now, draining[node], last_step)
+        when = "no deadline" if notice.deadline is None else f"deadline in {notice.deadline - now:.0f}s"
+        said = f"raytf: node {notice.node_ip} ({self.backend.who(notice.ranks)}) is draining ({when})"
+        if not self.can_save:
+            self.display.message(f"{said}; there is no checkpoint.dir to save to, so training goes on until the "
+                                 f"node goes")
+            return None
+        return self._stop_everyone(group, loop_ranks, progress, now, said)
+
+    def _stop_everyone(self, group: "WorkerGroup", loop_ranks: list[int], progress: "list[Progress | None]",
+                       now: float, said: str) -> Failure | None:
+        """Ask every loop-running rank to stop at one step the slowest can reach with time to checkpoint."""
+        notice = self.notice
+        checkpoint_s = max([p.checkpoint_s or 0.0 for p in progress if p] + [self.last_checkpoint_s or 0.0]) or None
+        seconds_left = None if notice.deadline is None else notice.deadline - now
+        answered = [progress[r] for r in loop_ranks if progress[r] is not None]
+        rates = [p.steps_per_s for p in answered if p.steps_per_s]
+        steps = [p.global_step for p in answered]
+        target = stop_step(steps, max(rates, default=None), self.limits.preempt_margin_s)
+        # the slowest rank's way to the stop step, at the slowest rate (no rate yet: the margin)
+        to_stop_s = (target - min(steps, default=0)) / min(rates) if rates else self.limits.preempt_margin_s
+        if not checkpoint_fits(seconds_left, checkpoint_s, to_stop_s):
+            return self._fall_back(f"{seconds_left:.1f}s left is too short for a checkpoint (the last took "
+                                   f"{checkpoint_s:.1f}s)", now, said)
+        answers = group.stop_at(loop_ranks, target, self.limits.progress_timeout_s)
+        refused = [r for r, answer in zip(loop_ranks, answers) if not (answer and answer.accepted)]
+        if refused:
+            return self._fall_back(f"{self.backend.who(refused)} could not stop at step {target} (already past it, "
+                                   f"or no answer)", now, said)
+        notice.stop_step = target
+        self.display.message(f"{said}: every worker stops at step {target} and checkpoints there")
+        return None
+
+    def stopped(self, stop: "DrainStop", now: float) -> Failure:
+        """The chief stopped for the notice (its checkpoint written, if it could be): how the attempt ends."""
+        notice, saved = self.notice, stop.saved
+        step = saved.step if saved else None
+        message = (f"node {notice.node_ip} is draining: " + (f"checkpoint at step {step}" if saved else
+                                                             "no checkpoint could be written (the train_fn made none)"))
+        details = {**notice.details(now, step), "last_step": stop.step,
+                   "checkpoint_s": saved.seconds if saved else None,
+                   "request_to_step_s": stop.request_to_step_s}  # the chief's, to the stop step
+        return Failure("preempted", message, tuple(notice.ranks), {message: notice.ranks}, details)
+
+    def during_notice(self, failure: Failure, now: float) -> Failure:
+        """Another failure of the attempt. Infrastructure trouble during a notice is the drained node going
+        before its checkpoint: a preemption. An error in the user's code is not, and ends the job as it would
+        without the notice."""
+        notice = self.notice
+        if notice is None or failure.kind not in failure_lib.RESTARTABLE:
+            return failure
+        message = (f"node {notice.node_ip} was draining and {failure.message}; the checkpoint-now did not "
+                   f"finish, so the job goes back to its last checkpoint")
+        return Failure("preempted", message, tuple(notice.ranks), {message: notice.ranks},
+                       {**notice.details(now, None), "cause": failure.message})
+
+    @property
+    def node_ips(self) -> list[str]:
+        """The node a drain failure is charged to."""
+        return [self.notice.node_ip] if self.notice is not None else []
+
+    def _fall_back(self, why: str, now: float, said: str | None = None) -> Failure:
+        """A notice whose checkpoint-now cannot be had: end the attempt now, back to the last checkpoint."""
+        notice = self.notice
+        if said:
+            self.display.message(f"{said}: {why}; going back to the last checkpoint")
+        message = f"node {notice.node_ip} is draining: {why}"
+        return Failure("preempted", message, tuple(notice.ranks), {message: notice.ranks}, notice.details(now, None))
