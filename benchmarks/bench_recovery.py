@@ -69,7 +69,7 @@ def run_raytf(work: Path) -> dict:
                 def read():
                     try:
                         p = ray.get(actor.progress.remote(), timeout=5)
-                        return {"step": p.get("global_step", 0), "pid": p["pid"]}
+                        return {"step": p.global_step, "pid": p.pid}
                     except Exception:
                         return None
 

@@ -87,17 +87,29 @@ def ps_spec(criteo_data, **changes):
     return spec
 
 
-def test_one_ps_two_workers_train_with_the_variables_on_the_ps(cluster, ps_dir, criteo_data, tmp_path):
-    spec = ps_spec(criteo_data, output={"tensorboard": True, "export": ["keras", "saved_model"]})
+PRECISION, ACCUMULATION = "mixed_float16", 2
+
+
+def test_one_ps_two_workers_train_in_mixed_precision_with_the_variables_on_the_ps(cluster, ps_dir, criteo_data,
+                                                                                  tmp_path):
+    """One ps task, two workers, and the same loop as under mirrored: 16-bit compute with float32 variables
+    on the ps task (float16 with loss scaling; mixed_bfloat16 is the same path without it, tested under
+    mirrored), and gradient accumulation: each scheduled step runs its K micro-batches on one worker, then
+    applies once (the table's sparse gradients summed dense). (train.jit_compile is a spec error: XLA
+    cannot reach variables on the ps tasks.)"""
+    train = {"epochs": 3, "precision": PRECISION, "global_batch_size": BATCH // ACCUMULATION,
+             "accumulation_steps": ACCUMULATION}
+    spec = ps_spec(criteo_data, train=train, output={"tensorboard": True, "export": ["keras", "saved_model"]})
     result = run(load(write_job(ps_dir, spec)))
 
     assert result.status == "succeeded"
     assert [t["role"] for t in result.tasks] == ["chief", "ps", "worker", "worker"]
     losses = [h["loss"] for h in result.history]
+    assert all(loss == loss for loss in losses), losses  # finite
     assert losses[-1] < losses[0] - 0.02, losses
     assert [h["examples"] for h in result.history] == [STEPS_PER_EPOCH * BATCH] * 3
     assert result.history[-1]["val_examples"] == 1000  # every validation row once, on the chief
-    assert result.tasks[0]["steps"] == 3 * STEPS_PER_EPOCH
+    assert result.tasks[0]["steps"] == 3 * STEPS_PER_EPOCH  # optimizer steps, one per K micro-batches
     # Every variable lives on the ps task; the table is split in shards there (max 1 shard per ps
     # for min_size: so one here), the dense layers are whole.
     devices = result.variable_devices
@@ -105,6 +117,8 @@ def test_one_ps_two_workers_train_with_the_variables_on_the_ps(cluster, ps_dir, 
     assert all(d.startswith("/job:ps/replica:0/task:0/") for ds in devices.values() for d in ds), devices
     model = keras.models.load_model(result.model_path)  # a plain Keras model, with raytf.layers.Embedding
     assert model.get_layer("table").get_weights()[0].shape == (2048, 8)
+    assert all(w.dtype == "float32" for w in model.get_weights())
+    assert model.layers[-1].dtype_policy.name == PRECISION
     assert result.tensorboard_dir is not None
     # The SavedModel holds plain variables (the sharded table joined) and serves the 7 columns by name,
     # in a process with no raytf (whose Embedding layer model.keras needs).
@@ -117,27 +131,6 @@ def test_one_ps_two_workers_train_with_the_variables_on_the_ps(cluster, ps_dir, 
     np.testing.assert_allclose(served, expected, rtol=1e-5, atol=1e-5)
     shown = saved_model_cli(result.exports["saved_model"])
     assert "inputs['C1']" in shown and "dtype: DT_STRING" in shown and "inputs['I1']" in shown
-    assert_nothing_left()
-
-
-@pytest.mark.parametrize("precision, accumulation", [("mixed_float16", 2)])
-def test_parameter_servers_train_in_mixed_precision(cluster, ps_dir, criteo_data, precision, accumulation):
-    """The same loop as under mirrored: 16-bit compute with float32 variables on the ps task (float16
-    with loss scaling; mixed_bfloat16 is the same path without it, tested under mirrored), and gradient
-    accumulation: each scheduled step runs its K micro-batches on one worker, then applies once (the
-    sharded table's sparse gradients summed dense). (train.jit_compile is a spec error: XLA cannot reach
-    variables on the ps tasks.)"""
-    train = {"epochs": 2, "precision": precision, "global_batch_size": BATCH // accumulation,
-             "accumulation_steps": accumulation}
-    result = run(load(write_job(ps_dir, ps_spec(criteo_data, train=train))))
-    assert result.status == "succeeded"
-    losses = [h["loss"] for h in result.history]
-    assert all(loss == loss for loss in losses) and losses[-1] < losses[0], losses  # finite, and going down
-    assert [h["examples"] for h in result.history] == [STEPS_PER_EPOCH * BATCH] * 2
-    assert result.tasks[0]["steps"] == 2 * STEPS_PER_EPOCH  # optimizer steps, one per K micro-batches
-    model = keras.models.load_model(result.model_path)
-    assert all(w.dtype == "float32" for w in model.get_weights())
-    assert model.layers[-1].dtype_policy.name == precision
     assert_nothing_left()
 
 
