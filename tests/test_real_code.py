@@ -220,7 +220,7 @@ def test_a_failure_in_user_code_names_its_file_and_line_on_one_line_and_in_resul
 
 def test_a_fit_longer_than_the_hang_timeout_lives_and_a_stuck_train_fn_is_caught_keeping_its_epochs(root):
     folder = job_folder(root, "slow_fit", SLOW_FIT_THEN_STUCK,
-                        ["train: {epochs: 2, global_batch_size: 64, keras: legacy}",
+                        ["train: {epochs: 1, global_batch_size: 64, keras: legacy}",
                          "failure: {hang_timeout_s: 4, max_restarts: 0}"])
     started = time.monotonic()
     proc = run_cli(["run", "job.yaml"], cwd=folder, timeout=220)
@@ -228,8 +228,8 @@ def test_a_fit_longer_than_the_hang_timeout_lives_and_a_stuck_train_fn_is_caught
     result = json.loads((root / "runs" / "result.json").read_text())
     assert "training hung: no progress from" in result["error"] and "for 4s" in result["error"], result["error"]
     epochs = result["history"]
-    assert [e["epoch"] for e in epochs] == [1, 2], "the failed run keeps the epochs it trained"
-    assert all(e["seconds"] >= 2 * 4 for e in epochs), f"each epoch must outlast the hang timeout 2x: {epochs}"
+    assert [e["epoch"] for e in epochs] == [1], "the failed run keeps the epoch it trained"
+    assert epochs[0]["seconds"] >= 2 * 4, f"the epoch must outlast the hang timeout 2x: {epochs}"
     assert result["restarts"] == [] and [t["rank"] for t in result["tasks"]] == [0, 1]
     assert time.monotonic() - started < 200
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import DIGITS, REPO, base_spec, write_job
+from tests.conftest import DIGITS, REPO, base_spec, task_files_in_temp_dir, write_job
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -261,21 +261,25 @@ def _where(project: Path, how: str, tmp_path: Path) -> tuple[Path, str]:
 
 @pytest.mark.cluster
 @pytest.mark.parametrize("how", ["elsewhere, symlinked job file"])
-def test_run_trains_the_same_from_every_working_directory(project, tmp_path, how):
-    """From a folder that is not the job's, through a symlink to the job file (inside the job folder:
-    tests/test_e2e.py; from the repository root: .ci/run, the README's command verbatim; an absolute path
-    from elsewhere: the tune test below runs its best spec so). The model has BatchNormalization, Dropout,
-    Embedding and LayerNormalization: every worker ends bit-identical, and the saved model scores the
-    validation rows as the run reported."""
+def test_run_trains_the_same_from_every_working_directory(cluster, project, tmp_path, how):
+    """From a folder that is not the job's, through a symlink to the job file (inside the job folder: the
+    own-loop example's and tests/test_real_code.py's runs; from the repository root: .ci/run, the README's
+    command verbatim; an absolute path from elsewhere: the tune test below runs its best spec so). With
+    another Ray cluster up (the test cluster), the job still starts its own embedded Ray. The model has
+    BatchNormalization, Dropout, Embedding and LayerNormalization: every worker ends bit-identical, and the
+    saved model scores the validation rows as the run reported."""
     import keras
     import numpy as np
     import pyarrow.parquet as pq
 
+    test_cluster, gpu_nodes = cluster
     cwd, job_arg = _where(project, how, tmp_path)
     before = files_under(project)
     elsewhere_before = files_under(cwd)
+    temp_before = task_files_in_temp_dir()
     proc = run_cli(["run", job_arg, "--set", "train.epochs=2"], cwd=cwd)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert task_files_in_temp_dir() - temp_before == set()  # the embedded Ray's tasks took their files along
 
     out = project.parent / "runs" / "stateful"  # output.dir ../runs/stateful, against the job folder
     result = json.loads((out / "result.json").read_text())
@@ -287,6 +291,8 @@ def test_run_trains_the_same_from_every_working_directory(project, tmp_path, how
     assert "epoch 2 done" in proc.stderr
 
     assert len({t["weights_digest"] for t in result["tasks"]}) == 1  # BatchNormalization's statistics included
+    known = {gpu.node_id for gpu in gpu_nodes} | {test_cluster.head_node.node_id}
+    assert not {t["node_id"] for t in result["tasks"]} & known  # not the test cluster's nodes: its own Ray
     losses = [h["loss"] for h in result["history"]]
     assert losses[-1] < losses[0]
     model = keras.models.load_model(out / "model.keras")
