@@ -14,8 +14,7 @@ from typing import Any, Mapping
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from raytf import data, learning_rate, spec_rules, yaml_file  # data: pyarrow only, no TensorFlow
-from raytf.checkpoint import Storage
+from raytf import learning_rate, spec_rules, yaml_file
 from raytf.errors import SpecError, clip
 from raytf.job_code import check_job_code, check_train_fn_keras, find_module
 from raytf.labels import check_labels
@@ -190,9 +189,14 @@ def load(source: "str | Path | Mapping[str, Any] | JobSpec | Job",
     if spec.train_fn is not None:
         check_train_fn_keras(spec, job_dir)
     job = Job(spec=spec, job_dir=job_dir, source=name)
+    # pyarrow is imported only for a job that needs it: `import raytf` and a spec error stay fast
     if job.checkpoint_dir is not None:
+        from raytf.checkpoint import Storage
+
         Storage(job.checkpoint_dir).check_writable()
     if check_data and spec.data is not None:
+        from raytf import data  # pyarrow only; no TensorFlow
+
         for split in ("train", "validation"):
             path = getattr(spec.data, split)
             if path is not None:
