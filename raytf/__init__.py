@@ -23,15 +23,17 @@ __version__ = "0.1.0"
 
 
 def fit(spec_or_path: "str | Mapping[str, Any] | JobSpec | Job", overrides: Mapping[str, Any] | None = None, *,
-        address: str | None = None, display: ProgressDisplay | None = None, resume: bool = False,
+        address: str | None = None, display: ProgressDisplay | None = None, resume: "bool | str | None" = None,
         verbose: bool = False, **dotted_overrides: Any) -> Result:
     """Run one distributed training job and return its Result.
 
     `spec_or_path`: a job YAML path, a mapping, a JobSpec or a loaded Job. Overrides are dotted keys,
     either in `overrides` ({"train.epochs": 3}) or as keyword arguments with `__` for the dot
     (train__epochs=3). Without an initialised Ray, `address` (or RAY_ADDRESS) picks a cluster; with
-    neither, an embedded local Ray runs for the duration of the call. `resume` continues from the
-    latest checkpoint in checkpoint.dir (without it, a checkpoint.dir that holds checkpoints is an error).
+    neither, an embedded local Ray runs for the duration of the call. `resume` (default: the spec's
+    `resume` key): True continues from the latest checkpoint in checkpoint.dir (without it, a checkpoint.dir
+    that holds checkpoints is an error); "auto" continues if there is a checkpoint, starts if not, and trains
+    nothing if the run already succeeded in output.dir (a local folder or a URI such as s3://bucket/runs/m).
     `verbose`: Ray's and TensorFlow's own output too (the workers' logs, TensorFlow's start-up lines).
     """
     from raytf import job as job_lib
@@ -39,6 +41,8 @@ def fit(spec_or_path: "str | Mapping[str, Any] | JobSpec | Job", overrides: Mapp
 
     merged = dict(overrides or {})
     merged.update({k.replace("__", "."): v for k, v in dotted_overrides.items()})
+    if resume is not None:
+        merged["resume"] = resume
     with quiet.native_noise_filtered(quiet.hide_native_noise(verbose)):
         job = job_lib.load(spec_or_path, merged)
     left_out = packaging.check_job_folder(job)
@@ -46,18 +50,33 @@ def fit(spec_or_path: "str | Mapping[str, Any] | JobSpec | Job", overrides: Mapp
     if left_out:
         display.message(left_out)
 
-    from raytf.driver import controller, output  # Ray: only once the spec is known to be good
-    from raytf.driver.session import ray_session
+    from raytf.driver import attempts, controller, output  # Ray: only once the spec is known to be good
+    from raytf.driver.session import cluster_identity, ray_session
 
-    from raytf.checkpoint import resume_note
+    from raytf.checkpoint import Storage, resume_note
 
-    note = resume_note(job.checkpoint_dir, resume)  # --resume and checkpoint.dir agree, before anything starts
+    mode = job.spec.resume
+    storage = output.storage(job)  # output.dir on object storage: writable, before anything starts
+    previous = storage.read_json("result.json") if mode else None
+    if mode == "auto" and attempts.succeeded(previous, job.spec.name):
+        display.message(f"raytf: resume: auto: {job.spec.name} already succeeded in {storage.location('result.json')}; "
+                        f"nothing to train (give another output.dir or name to train it again)")
+        return Result.from_dict(previous)
+    note = resume_note(job.checkpoint_dir, mode)  # --resume and checkpoint.dir agree, before anything starts
     if note:
         display.message(note)
-    with output.claim(job, resume), ray_session(address, verbose) as logs_hint:
+    with output.claim(job, bool(mode)), ray_session(address, verbose) as logs_hint:
         if logs_hint:
             display.message(logs_hint)
-        return controller.run(job, display=display, resume=resume, verbose=verbose)
+        latest = Storage(job.checkpoint_dir).latest() if mode and job.checkpoint_dir else None
+        tries = attempts.carried(previous, job.spec.name)
+        tries.append(attempts.begin(len(tries) + 1, cluster_identity(), latest.step if latest else None))
+        # The run's state is in its storage from its start: a driver that never gets to write its end
+        # (killed, its cluster gone) leaves "running" behind, and the next attempt says it was lost.
+        running = Result(name=job.spec.name, strategy=job.spec.strategy, status="running",
+                         output_dir=job.output_where, attempts=tries, history=list(latest.history) if latest else [])
+        storage.write_bytes("result.json", running.json_text().encode())
+        return controller.run(job, display=display, resume=bool(mode), verbose=verbose, attempts=tries)
 
 
 def tune(sweep_or_path: "str | Mapping[str, Any]", overrides: Mapping[str, Any] | None = None, *,

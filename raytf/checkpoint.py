@@ -17,6 +17,7 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from raytf.errors import SpecError
+from raytf.storage import open_fs
 
 META = "raytf.json"
 PREFIX = "ckpt-"
@@ -32,10 +33,10 @@ class CheckpointInfo:
     world_size: int = 0
 
 
-def resume_note(checkpoint_dir: str | None, resume: bool = True) -> str | None:
+def resume_note(checkpoint_dir: str | None, resume: "bool | str" = True) -> str | None:
     """Before anything starts: --resume needs a checkpoint.dir (SpecError), and says when it holds nothing yet
     (the line returned); without --resume, a checkpoint.dir that holds checkpoints is a SpecError, so none is
-    trained over by accident."""
+    trained over by accident. resume "auto" (resume: auto) says which of the two it does."""
     if checkpoint_dir is None:
         if resume:
             raise SpecError("--resume: the job has no checkpoint.dir to resume from; set checkpoint.dir")
@@ -44,6 +45,11 @@ def resume_note(checkpoint_dir: str | None, resume: bool = True) -> str | None:
     if latest is not None and not resume:
         raise SpecError(f"checkpoint.dir {checkpoint_dir} already holds checkpoints (latest at step {latest.step}); "
                         f"pass --resume to continue from it, or choose another checkpoint.dir")
+    if resume == "auto":
+        if latest is None:
+            return f"raytf: resume: auto: no checkpoint in {checkpoint_dir} yet; training from the start"
+        return (f"raytf: resume: auto: continuing from step {latest.step} (epoch {latest.epoch}) in "
+                f"{checkpoint_dir}")
     if latest is None and resume:
         return f"raytf: --resume: checkpoint.dir {checkpoint_dir} holds no checkpoint yet; training starts from scratch"
     return None
@@ -55,10 +61,7 @@ class Storage:
     def __init__(self, location: str):
         self.location = location
         try:
-            if "://" in location:
-                self.fs, self.root = pafs.FileSystem.from_uri(location)
-            else:
-                self.fs, self.root = pafs.LocalFileSystem(), os.path.abspath(location)
+            self.fs, self.root = open_fs(location)
         except Exception as exc:  # an unknown scheme, missing credentials, bad bucket name
             raise SpecError(f"checkpoint.dir: pyarrow cannot open {location!r} ({exc})") from None
 

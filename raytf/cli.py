@@ -12,7 +12,7 @@ import sys
 
 import click
 
-from raytf.errors import RaytfError
+from raytf.errors import RaytfError, SpecError
 
 _VERBOSE_HELP = ("Also show Ray's and TensorFlow's own output: the workers' logs, TensorFlow's start-up lines "
                  "(by default only raytf's lines; the workers' logs stay in Ray's session folder).")
@@ -66,16 +66,35 @@ def _exit_on_error(interrupted: str = "raytf: interrupted", verbose: bool = Fals
         sys.exit(143 if terminated else 130)
 
 
-@main.command()
+class _ResumeAutoCommand(click.Command):
+    """`--resume auto` (and `--resume=auto`) become the hidden flag --resume-auto, so that a bare `--resume`
+    stays a flag wherever it stands (`raytf run --resume job.yaml` too)."""
+
+    def parse_args(self, ctx, args):
+        rewritten, i = [], 0
+        while i < len(args):
+            if args[i] == "--resume" and i + 1 < len(args) and args[i + 1] == "auto":
+                rewritten.append("--resume-auto")
+                i += 2
+                continue
+            rewritten.append("--resume-auto" if args[i] == "--resume=auto" else args[i])
+            i += 1
+        return super().parse_args(ctx, rewritten)
+
+
+@main.command(cls=_ResumeAutoCommand)
 @click.argument("job_file", type=click.Path(dir_okay=False))
 @click.option("--address", default=None, help="Ray cluster to use ('auto' or HOST:PORT); default: an embedded local Ray.")
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
               help="Override a spec key, e.g. --set train.epochs=3 (repeatable).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress display; only errors and the final path.")
-@click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in checkpoint.dir.")
+@click.option("--resume", is_flag=True, help=("Continue from the latest checkpoint in checkpoint.dir. `--resume auto`: "
+                                              "continue if there is one, start if not, train nothing if the run already "
+                                              "succeeded in output.dir (as `resume: auto` in the spec)."))
+@click.option("--resume-auto", is_flag=True, hidden=True)
 @click.option("--verbose", "-v", is_flag=True, help=_VERBOSE_HELP)
 @_stderr_filtered
-def run(job_file: str, address: str | None, settings: tuple[str, ...], quiet: bool, resume: bool,
+def run(job_file: str, address: str | None, settings: tuple[str, ...], quiet: bool, resume: bool, resume_auto: bool,
         verbose: bool) -> None:
     """Train the job in JOB_FILE (YAML) on the Ray cluster."""
     from raytf import fit
@@ -87,8 +106,8 @@ def run(job_file: str, address: str | None, settings: tuple[str, ...], quiet: bo
     # and result.json are dealt with before exiting.
     signal.signal(signal.SIGTERM, _interrupt)
     with _exit_on_error("raytf: interrupted; actors and placement group released", verbose=verbose):
-        result = fit(job_file, parse_set_options(list(settings)), address=address, display=display, resume=resume,
-                     verbose=verbose)
+        result = fit(job_file, parse_set_options(list(settings)), address=address, display=display,
+                     resume="auto" if resume_auto else (True if resume else None), verbose=verbose)
     final = result.final
     shown = "  ".join(f"{k} {v:.4f}" for k, v in final.items() if isinstance(v, float) and k != "seconds")
     click.echo(f"raytf: {result.name} {result.status}: {shown}")
@@ -222,6 +241,7 @@ def submit(job_file: str, address: str | None, settings: tuple[str, ...], no_wai
         with packaging.ray_packaging_messages(verbose, note=lambda text: click.echo(text, err=True)):
             job_id = jobs.submit(sub)  # uploads the job folder: Ray's lines about it only with -v
         click.echo(f"raytf: submitted {job_id} to {jobs.address} (working directory {sub.job_dir})", err=True)
+        click.echo(sub.results, err=True)
         if no_wait:
             click.echo(job_id)
             click.echo(f"raytf: follow with `raytf logs {job_id} --follow --address {jobs.address}`", err=True)
@@ -252,6 +272,14 @@ def status(job_id: str, address: str | None, allow_http_token: bool) -> None:
             end = (info.end_time or time.time() * 1000) / 1000
             click.echo(f"  started {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(info.start_time / 1000))}, "
                        f"{'ran' if info.end_time else 'running for'} {end - info.start_time / 1000:.0f}s")
+        where = (info.metadata or {}).get(jobs_api.OUTPUT_KEY)
+        if where:  # the run's own state, from its storage
+            from raytf import results as run_results
+
+            try:
+                click.echo("  run: " + run_results.describe(run_results.read(where), where))
+            except RaytfError as exc:
+                click.echo(f"  run: {exc}")
         return 0
 
     _jobs_command(body)
@@ -297,6 +325,80 @@ def stop(job_id: str, address: str | None, timeout_s: float, allow_http_token: b
         return 0
 
     _jobs_command(body)
+
+
+@main.command()
+@click.argument("run_name", metavar="RUN")
+@click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
+              help="With a job file: override a spec key (its output.dir, its name), as for `raytf run`.")
+@click.option("--json", "as_json", is_flag=True, help="Print the whole result.json.")
+@_stderr_filtered
+def results(run_name: str, settings: tuple[str, ...], as_json: bool) -> None:
+    """Show a run's results from its storage: RUN is its output.dir (a folder or a URI such as
+    s3://bucket/runs/m), its job file, or its name (runs/<name> here). Exit 0 succeeded or running, 1 failed
+    or interrupted, 2 no result there."""
+    import json
+
+    from raytf import results as run_results
+
+    with _exit_on_error():
+        where = run_results.locate(run_name, settings)
+        saved = run_results.read(where)
+    click.echo(json.dumps(saved, indent=2) if as_json else run_results.describe(saved, where))
+    sys.exit(run_results.exit_code(saved))
+
+
+@main.command("k8s")
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@click.option("--image", default=None, help=("The image every Ray pod runs: Ray, raytf, TensorFlow and the job folder "
+                                             "at --workdir (default: rayproject/ray:<ray version>-py311, which has none "
+                                             "of raytf's)."))
+@click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
+              help="Override a spec key (repeatable); passed on to `raytf run` in the entrypoint.")
+@click.option("--workdir", default="/app", show_default=True, help="The job folder's path inside the image.")
+@click.option("--queue", default=None, help="A Kueue LocalQueue: the RayJob waits in it until Kueue admits it.")
+@click.option("--token-secret", default=None, help=("A Secret with key auth_token for Ray's token auth (default: "
+                                                    "KubeRay generates one)."))
+@click.option("--storage-secret", default=None, help=("A Secret whose keys become the pods' environment: the "
+                                                      "credentials output.dir's storage needs (e.g. AWS_ACCESS_KEY_ID, "
+                                                      "AWS_SECRET_ACCESS_KEY)."))
+@click.option("--worker-memory", default="8Gi", show_default=True, help="Memory of each worker pod.")
+@click.option("--retries", default=2, show_default=True, type=click.IntRange(0, 100),
+              help="RayJob backoffLimit: new clusters KubeRay may build after a failure; each resumes (--resume auto).")
+@click.option("--output", "-o", "output_file", default="-", show_default=True, help="Where to write the manifest.")
+@_stderr_filtered
+def k8s(job_file: str, image: str | None, settings: tuple[str, ...], workdir: str, queue: str | None,
+        token_secret: str | None, storage_secret: str | None, worker_memory: str, retries: int,
+        output_file: str) -> None:
+    """Write a KubeRay RayJob manifest for JOB_FILE: head and worker groups sized from the spec, token auth,
+    `raytf run JOB_FILE --resume auto` as the entrypoint. output.dir must be a URI (a retry builds a new cluster).
+    No Ray, no Kubernetes client: apply it with `kubectl apply -f`."""
+    from pathlib import Path
+
+    import yaml
+
+    from raytf import job as job_lib
+    from raytf import k8s as manifests
+
+    with _exit_on_error():
+        path = Path(job_file).expanduser().resolve()
+        overrides = job_lib.parse_set_options(list(settings))
+        spec = job_lib.parse(job_lib.apply_overrides(job_lib.read_yaml(path), overrides), job_file)
+        job = job_lib.Job(spec=spec, job_dir=job_lib.job_folder(spec, path.parent, job_file), source=job_file)
+        try:
+            inside = path.relative_to(job.job_dir).as_posix()
+        except ValueError:
+            raise SpecError(f"{job_file}: the job file must be inside its job folder {job.job_dir} (the image holds "
+                            f"that folder at --workdir)") from None
+        manifest = manifests.rayjob(job, inside, image=image, settings=settings, queue=queue,
+                                    token_secret=token_secret, storage_secret=storage_secret, workdir=workdir,
+                                    worker_memory=worker_memory, backoff_limit=retries)
+    text = yaml.dump(manifest, Dumper=manifests.PlainDumper, sort_keys=False)
+    if output_file == "-":
+        click.echo(text, nl=False)
+    else:
+        Path(output_file).write_text(text)
+        click.echo(f"raytf: wrote {output_file}; `kubectl apply -f {output_file}` runs it", err=True)
 
 
 @main.command()

@@ -19,6 +19,7 @@ from raytf.errors import SpecError, clip
 from raytf.job_code import check_job_code, check_train_fn_keras, find_module
 from raytf.labels import check_labels
 from raytf.spec import FUNCTION_KEYS, JobSpec, function_ref
+from raytf.storage import is_uri, staging_dir
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,14 +33,29 @@ class Job:
 
     @property
     def checkpoint_dir(self) -> str | None:
-        """checkpoint.dir as every process must see it: URIs as they are, relative paths under the job folder."""
+        """checkpoint.dir as every process must see it: URIs as they are, relative paths under the job folder.
+        Unset, a run that resumes by itself (resume: auto) keeps them in its storage: <output.dir>/checkpoints."""
         location = self.spec.checkpoint.dir
-        return None if location is None else self.data_path(location)
+        if location is None:
+            return f"{self.output_where}/checkpoints" if self.spec.resume == "auto" else None
+        return self.data_path(location)
+
+    @property
+    def output_where(self) -> str:
+        """output.dir as the user means it: a URI as given, a local path resolved against the job folder."""
+        out = self.spec.output.dir or f"runs/{self.spec.name}"
+        return out.rstrip("/") if is_uri(out) else str(_resolve(self.job_dir, out))
 
     @property
     def output_dir(self) -> Path:
-        out = self.spec.output.dir or f"runs/{self.spec.name}"
-        return _resolve(self.job_dir, out)
+        """The local folder this process writes the run's results into: output.dir itself, or for a URI a
+        staging folder on this machine that raytf.driver.output ships up to it."""
+        where = self.output_where
+        return staging_dir(where, self.spec.name) if is_uri(where) else Path(where)
+
+    def output_location(self, rel: str) -> str:
+        """Where a result file ends up (a URI for output.dir on object storage)."""
+        return f"{self.output_where}/{rel}"
 
     def data_path(self, path: str) -> str:
         """A data path as the driver sees it: URIs as they are, relative paths under the job folder."""
@@ -190,6 +206,10 @@ def load(source: "str | Path | Mapping[str, Any] | JobSpec | Job",
         check_train_fn_keras(spec, job_dir)
     job = Job(spec=spec, job_dir=job_dir, source=name)
     # pyarrow is imported only for a job that needs it: `import raytf` and a spec error stay fast
+    if is_uri(job.output_where):  # bad storage is found before the job's code is imported, not after it trained
+        from raytf.storage import Folder
+
+        Folder(job.output_where, "output.dir").check_writable()
     if job.checkpoint_dir is not None:
         from raytf.checkpoint import Storage
 

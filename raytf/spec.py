@@ -395,7 +395,8 @@ class FailureSpec(_Strict):
 
 class CheckpointSpec(_Strict):
     dir: str | None = Field(default=None, description=(
-        "A local directory (shared by all nodes) or a pyarrow.fs URI (s3://, gs://, hdfs://). None: no checkpoints."))
+        "A local directory (shared by all nodes) or a pyarrow.fs URI (s3://, gs://, hdfs://). None: no checkpoints "
+        "(with resume: auto, <output.dir>/checkpoints)."))
     every_steps: int | None = Field(default=None, ge=1, description=(
         "Checkpoint every this many optimizer steps (instead of every_epochs)."))
     every_epochs: int | None = Field(default=None, ge=1, description=(
@@ -435,7 +436,8 @@ class ProfileSpec(_Strict):
 
 class OutputSpec(_Strict):
     dir: str | None = Field(default=None, min_length=1, description=(
-        "Where result.json, the model and TensorBoard events go. None: runs/<name>, next to the job file's folder."))
+        "Where result.json, the model, the SavedModel and TensorBoard events go: a local folder or a URI pyarrow.fs "
+        "opens (s3://bucket/path, gs://, hdfs://). None: runs/<name> in the job folder."))
     tensorboard: bool = Field(default=True, description="Write TensorBoard events (epoch scalars, timing).")
     export: list[Literal["keras", "saved_model"]] = Field(default_factory=lambda: ["keras"], min_length=1, description=(
         "keras: model.keras; saved_model: a TensorFlow SavedModel for TF Serving, at saved_model/."))
@@ -480,6 +482,10 @@ class JobSpec(_Strict):
         "Hangs, restarts, elastic sizes, standbys and preemption."))
     checkpoint: CheckpointSpec = Field(default=CheckpointSpec(), description="Where and how often to checkpoint.")
     output: OutputSpec = Field(default=OutputSpec(), description="What the run writes and where.")
+    resume: Union[bool, Literal["auto"]] = Field(default=False, description=(
+        "false: a fresh run (a checkpoint.dir holding checkpoints is an error); true: continue from its latest "
+        "checkpoint (as --resume); auto: continue if there is one, start if not, and train nothing if this run "
+        "already succeeded in output.dir (checkpoints default to <output.dir>/checkpoints). --resume [auto] overrides it."))
 
     @field_validator("loss")
     @classmethod

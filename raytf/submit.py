@@ -32,6 +32,7 @@ from ray.job_submission import JobDetails, JobStatus, JobSubmissionClient
 from raytf import job as job_lib
 from raytf.driver import packaging, session
 from raytf.errors import RaytfError, SpecError
+from raytf.storage import is_uri
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"  # where `ray dashboard cluster.yaml` forwards the head's dashboard
 CONNECT_TIMEOUT_S = 10.0
@@ -72,6 +73,8 @@ class Submission:
     metadata: dict[str, str]
     job_dir: Path
     left_out: str | None = None  # raytf's line naming the credential files the package leaves out
+    results: str = ""  # where the run's results end up, said to the user
+
 
 
 # ---------------------------------------------------------------- preparing
@@ -97,10 +100,29 @@ def prepare(job_file: str | Path, settings: Sequence[str] = (), verbose: bool = 
     runtime_env = packaging.runtime_env(job)
     # The driver's output reaches the log stream as it is written, not when a buffer fills.
     runtime_env["env_vars"]["PYTHONUNBUFFERED"] = "1"
+    metadata = {"raytf_job": spec.name, "job_file": entry_file}
+    if is_uri(job.output_where):
+        metadata[OUTPUT_KEY] = job.output_where  # `raytf status` reads the run's state from there
     return Submission(name=spec.name, submission_id=f"raytf-{spec.name}-{uuid.uuid4().hex[:8]}",
-                      entrypoint=shlex.join(argv), runtime_env=runtime_env,
-                      metadata={"raytf_job": spec.name, "job_file": entry_file}, job_dir=job.job_dir,
-                      left_out=left_out)
+                      entrypoint=shlex.join(argv), runtime_env=runtime_env, metadata=metadata, job_dir=job.job_dir,
+                      left_out=left_out, results=results_note(job))
+
+
+OUTPUT_KEY = "raytf_output"  # the job's metadata key holding its output.dir URI
+
+
+def results_note(job: job_lib.Job) -> str:
+    """Where a submitted run's results go. The driver runs on the head, in Ray's temporary copy of the job
+    folder: a local output.dir lands there and goes when Ray cleans it up; a URI keeps them."""
+    where = job.output_where
+    if is_uri(where):
+        return f"raytf: results go to {where} (`raytf results {where}` reads them)"
+    try:
+        inside = Path(where).relative_to(job.job_dir).as_posix()
+        return (f"raytf: results go to {inside}/ in the head's temporary copy of the job folder, which Ray removes; "
+                f"set output.dir to a URI (e.g. --set output.dir=s3://bucket/runs/{job.spec.name}) to keep them")
+    except ValueError:
+        return f"raytf: results go to {where} on the head node"
 
 
 def resolve_address(address: str | None) -> str:

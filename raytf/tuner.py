@@ -29,6 +29,7 @@ from raytf.driver.report import ProgressDisplay
 from raytf.errors import PlacementTimeout, SpecError
 from raytf.job import Job
 from raytf.spec import JobSpec
+from raytf.storage import Folder, is_uri
 from raytf.sweep_report import SweepResult
 
 EXPERIMENT = "tune"  # Tune's experiment folder inside the sweep's output.dir
@@ -50,7 +51,25 @@ class PreparedSweep:
 
     @property
     def output_dir(self) -> Path:
+        """Where this process writes the sweep's files: output.dir, or the staging folder of a URI."""
         return self.base.output_dir
+
+    @property
+    def output_where(self) -> str:
+        """output.dir as given: a local path or a URI (s3://...), where Tune's state and every trial go."""
+        return self.base.output_where
+
+    @property
+    def remote(self) -> bool:
+        return is_uri(self.output_where)
+
+    @property
+    def experiment(self) -> str:
+        return f"{self.output_where}/{EXPERIMENT}"
+
+    def location(self, rel: str) -> str:
+        """Where a sweep file ends up (a URI for output.dir on object storage)."""
+        return f"{self.output_where}/{rel}"
 
     @property
     def max_t(self) -> int:
@@ -81,11 +100,11 @@ def prepare(source: "str | Path | Mapping[str, Any]", overrides: Mapping[str, An
     base_spec = job_lib.parse(job_raw, name)
     sweep.check_metric(section, base_spec, name)
     base = Job(spec=base_spec, job_dir=job_lib.job_folder(base_spec, start, name), source=name)
-    out = base.output_dir
+    out = base.output_where
     jobs: dict[str, Job] = {}
 
     def check(pid: str, point_overrides: dict[str, Any]) -> JobSpec:
-        trial = {**point_overrides, "name": f"{base_spec.name}-{pid}", "output.dir": str(out / "trials" / pid)}
+        trial = {**point_overrides, "name": f"{base_spec.name}-{pid}", "output.dir": f"{out}/trials/{pid}"}
         if base.checkpoint_dir is not None:  # trials must not share checkpoints
             trial["checkpoint.dir"] = f"{base.checkpoint_dir.rstrip('/')}/{pid}"
         try:  # the code is imported once every point has passed the checks that need no TensorFlow
@@ -140,7 +159,7 @@ def _run_trial(config: dict[str, Any], jobs: dict[str, Job], code_env: dict[str,
     from ray import tune
 
     from raytf.checkpoint import Storage
-    from raytf.driver import controller
+    from raytf.driver import controller, output
 
     job = jobs[config["point"]]
     last_epoch = job.spec.train.epochs
@@ -154,8 +173,11 @@ def _run_trial(config: dict[str, Any], jobs: dict[str, Job], code_env: dict[str,
             tune.report(numbers)
 
     resume = job.checkpoint_dir is not None and Storage(job.checkpoint_dir).latest() is not None
-    controller.run(job, on_epoch=report, placement_group=ray.util.get_current_placement_group(),
-                   code_env=code_env, resume=resume)
+    # A trial's output.dir on object storage: staged on this node, shipped up when the trial's job ends.
+    staged = output.claim(job, resume) if is_uri(job.output_where) else contextlib.nullcontext()
+    with staged:
+        controller.run(job, on_epoch=report, placement_group=ray.util.get_current_placement_group(),
+                       code_env=code_env, resume=resume)
     for metrics in held:
         tune.report(metrics)
 
@@ -217,16 +239,19 @@ def run(prepared: PreparedSweep, display: ProgressDisplay | None = None, resume:
     from ray.tune.schedulers import ASHAScheduler
 
     display = display or ProgressDisplay(quiet=True)
-    out = prepared.output_dir
-    experiment = out / EXPERIMENT
+    out, where = prepared.output_dir, prepared.output_where
+    experiment = prepared.experiment
+    storage = Folder(where, "output.dir")
+    if prepared.remote:
+        storage.check_writable()
     restoring = _check_state(prepared, resume, experiment, display)
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
     limit = concurrency(prepared, nodes)
     display.message(f"raytf: sweep {prepared.base.spec.name}: {len(prepared.points)} trials, up to {limit} at once"
                     + (f" ({len(prepared.rejected)} random draws rejected)" if prepared.rejected else "")
-                    + f"; output {out}")
+                    + f"; output {where}")
     packaging.mark_output(out)  # a later job in the same job folder leaves the sweep's outputs out
-    sweep_report.write_json(out / POINTS_FILE, _points_state(prepared))
+    storage.write_json(POINTS_FILE, _points_state(prepared))
 
     code_env = packaging.upload_code(packaging.runtime_env(prepared.base), verbose=verbose, note=display.message)
     _unpack_everywhere(code_env, display)
@@ -239,7 +264,7 @@ def run(prepared: PreparedSweep, display: ProgressDisplay | None = None, resume:
     started = time.time()
     if restoring:
         display.message(f"raytf: resuming the sweep in {experiment}")
-        tuner = tune.Tuner.restore(str(experiment), trainable=trainable, resume_unfinished=True)
+        tuner = tune.Tuner.restore(experiment, trainable=trainable, resume_unfinished=True)
     else:
         scheduler = None
         if section.scheduler is not None:
@@ -254,14 +279,19 @@ def run(prepared: PreparedSweep, display: ProgressDisplay | None = None, resume:
             tune_config=tune.TuneConfig(metric=section.metric, mode=section.mode, scheduler=scheduler,
                                         max_concurrent_trials=limit, trial_name_creator=_trial_name,
                                         trial_dirname_creator=_trial_name),
-            run_config=tune.RunConfig(name=EXPERIMENT, storage_path=str(out), verbose=0,
+            run_config=tune.RunConfig(name=EXPERIMENT, storage_path=where, verbose=0,
                                       callbacks=[_progress_callback(display.quiet, descriptions,
                                                                     section.metric, epochs)]),
         )
     with _quiet_tune_console():
         tuner.fit()
     wall = time.time() - started
-    return _collect(prepared, experiment, limit, started, wall, float(ray.cluster_resources().get("CPU", 0)))
+    result = _collect(prepared, experiment, limit, started, wall, float(ray.cluster_resources().get("CPU", 0)))
+    if prepared.remote:  # sweep.json, sweep.png, best.yaml: written here, kept there
+        from raytf.driver.output import ship
+
+        ship(out, storage)
+    return result
 
 
 def _unpack_everywhere(code_env: dict[str, Any], display: ProgressDisplay, timeout_s: float = 120.0) -> None:
@@ -305,38 +335,38 @@ def _points_state(prepared: PreparedSweep) -> list[dict[str, Any]]:
     return json.loads(json.dumps([{"id": p.id, "values": p.values, "overrides": p.overrides} for p in prepared.points]))
 
 
-def _check_state(prepared: PreparedSweep, resume: bool, experiment: Path, display: ProgressDisplay) -> bool:
+def _check_state(prepared: PreparedSweep, resume: bool, experiment: str, display: ProgressDisplay) -> bool:
     """Whether to restore. A sweep folder that already holds a sweep needs --resume, and the same points."""
     from ray.tune import Tuner
 
-    exists = Tuner.can_restore(str(experiment))
+    exists = Tuner.can_restore(experiment)
+    where = prepared.output_where
     if not resume:
         if exists:
-            raise SpecError(f"{prepared.source}: output.dir {prepared.output_dir} already holds a sweep; pass --resume to "
+            raise SpecError(f"{prepared.source}: output.dir {where} already holds a sweep; pass --resume to "
                             f"continue it, or choose another output.dir (e.g. --set output.dir=...)")
         return False
     if not exists:
-        display.message(f"raytf: --resume: no sweep in {prepared.output_dir} yet; starting it")
+        display.message(f"raytf: --resume: no sweep in {where} yet; starting it")
         return False
-    saved_file = prepared.output_dir / POINTS_FILE
-    saved = json.loads(saved_file.read_text()) if saved_file.exists() else None
+    saved = Folder(where, "output.dir").read_json(POINTS_FILE)
     if saved is not None and saved != _points_state(prepared):
         now = {p["id"]: p for p in _points_state(prepared)}
         changed = next((p for p in saved if now.get(p["id"]) != p), saved[0] if saved else None)
         detail = f" (point {changed['id']} was {changed['values']}, now {now.get(changed['id'], {}).get('values')})" \
             if changed else ""
-        raise SpecError(f"{prepared.source}: the sweep changed since it was started in {prepared.output_dir}{detail}; "
+        raise SpecError(f"{prepared.source}: the sweep changed since it was started in {where}{detail}; "
                         f"undo the change to resume it, or choose another output.dir")
     return True
 
 
-def _collect(prepared: PreparedSweep, experiment: Path, limit: int, started: float, wall: float,
+def _collect(prepared: PreparedSweep, experiment: str, limit: int, started: float, wall: float,
              cluster_cpus: float) -> SweepResult:
     """Rows from Tune's stored trials and raytf's result.json files; then every output of the sweep."""
     from ray.tune import ExperimentAnalysis
 
     section = prepared.section
-    analysis = ExperimentAnalysis(str(experiment), default_metric=section.metric, default_mode=section.mode)
+    analysis = ExperimentAnalysis(experiment, default_metric=section.metric, default_mode=section.mode)
     by_point = {p.id: p for p in prepared.points}
     rows = []
     for trial in analysis.trials:
@@ -346,8 +376,7 @@ def _collect(prepared: PreparedSweep, experiment: Path, limit: int, started: flo
         history = _history(frame, section.metric)
         last = trial.last_result or {}
         epochs = int(last.get("epoch", len(history)) or 0)
-        result_file = job.output_dir / "result.json"
-        saved = json.loads(result_file.read_text()) if result_file.exists() else {}
+        saved = Folder(job.output_where, "output.dir").read_json("result.json") or {}
         rows.append({
             "point": pid, "trial_id": trial.trial_id,
             "status": sweep_report.trial_status(trial.status, epochs, job.spec.train.epochs),
@@ -362,7 +391,7 @@ def _collect(prepared: PreparedSweep, experiment: Path, limit: int, started: flo
             "time_s": last.get("time_total_s"),
             "reported_at": last.get("timestamp"),  # the last report, seconds since the epoch
             "cpus": sum(b.get("CPU", 0) for b in trial_bundles(job.spec)),
-            "output_dir": str(job.output_dir),
+            "output_dir": job.output_where,
             "model_path": saved.get("model_path"),
             "exports": saved.get("exports", {}),
             "error": _error_line(trial) if trial.status == "ERROR" else None,
@@ -374,15 +403,22 @@ def _collect(prepared: PreparedSweep, experiment: Path, limit: int, started: flo
     if best is not None:
         point = by_point[best["point"]]
         # It lives in output.dir, so base_dir points back at the job folder (its code, its data) and
-        # output.dir (relative to that folder) at <sweep output>/best.
-        rel_out = _relative(out / "best", prepared.base.job_dir)
-        base_dir = _relative(prepared.base.job_dir, prepared.best_spec_path.parent)
+        # output.dir (relative to that folder) at <sweep output>/best. In object storage it is read from
+        # anywhere: base_dir is the job folder's absolute path and output.dir a URI.
+        if prepared.remote:
+            rel_out, base_dir = f"{prepared.output_where}/best", str(prepared.base.job_dir)
+            run_it = f"download {prepared.output_where}/{BEST_SPEC}, then raytf run {BEST_SPEC}"
+        else:
+            rel_out = _relative(out / "best", prepared.base.job_dir)
+            base_dir = _relative(prepared.base.job_dir, prepared.best_spec_path.parent)
+            run_it = f"raytf run {_relative(prepared.best_spec_path, Path.cwd())}"
         header = (f"The best trial of the sweep {prepared.source} ({best['point']}: {section.metric} "
                   f"{best['final']:.4g} after {best['epochs']} epochs).\n"
-                  f"Run it: raytf run {_relative(prepared.best_spec_path, Path.cwd())}")
+                  f"Run it: {run_it}")
         text = sweep_report.best_spec_yaml(prepared.job_raw, {**point.overrides, "name": f"{prepared.base.spec.name}-best",
                                                           "base_dir": base_dir, "output.dir": rel_out}, header)
-        best_spec_path = str(sweep_report.write_text(prepared.best_spec_path, text))
+        sweep_report.write_text(prepared.best_spec_path, text)
+        best_spec_path = prepared.location(BEST_SPEC)
     # Utilization of this run only: trials that finished in an earlier run (before a resume) do not count.
     busy = sum((r["time_s"] or 0) * r["cpus"] for r in rows if (r["reported_at"] or 0) >= int(started))
     utilization = busy / (wall * cluster_cpus) if wall > 0 and cluster_cpus > 0 else None
@@ -391,10 +427,12 @@ def _collect(prepared: PreparedSweep, experiment: Path, limit: int, started: flo
     plot_path = sweep_report.plot(rows, section.metric, section.mode, out / "sweep.png",
                                   f"{prepared.base.spec.name}: final {section.metric} ({section.mode})")
     result = SweepResult(
-        name=prepared.base.spec.name, metric=section.metric, mode=section.mode, output_dir=str(out), rows=rows,
+        name=prepared.base.spec.name, metric=section.metric, mode=section.mode, output_dir=prepared.output_where,
+        rows=rows,
         best=best, best_spec_path=best_spec_path, best_model_path=best["model_path"] if best else None,
         best_exports=best["exports"] if best else {},
-        sweep_json=str(out / "sweep.json"), plot_path=str(plot_path) if plot_path else None, table=text_table,
+        sweep_json=prepared.location("sweep.json"), plot_path=prepared.location("sweep.png") if plot_path else None,
+        table=text_table,
         max_concurrent_trials=limit, rejected=prepared.rejected, wall_s=round(wall, 3),
         utilization=None if utilization is None else round(utilization, 4),
         interrupted=any(r["status"] == sweep_report.UNFINISHED for r in rows) or len(rows) < len(prepared.points))

@@ -58,9 +58,18 @@ def write_job(folder: Path, spec: dict, name: str = "job.yaml") -> Path:
 
 
 @pytest.fixture(scope="session")
-def cluster():
+def s3():
+    """A real S3 API on localhost (tests/s3_server.py), its endpoint and credentials in os.environ."""
+    from tests import s3_server
+
+    return s3_server.start()
+
+
+@pytest.fixture(scope="session")
+def cluster(s3):
     """A local 3-node Ray cluster shared by the test session: a 1-CPU head and two 1-CPU nodes with
-    2 logical GPUs each (Ray sets CUDA_VISIBLE_DEVICES per actor; TF runs on CPU)."""
+    2 logical GPUs each (Ray sets CUDA_VISIBLE_DEVICES per actor; TF runs on CPU). Its nodes reach the
+    session's S3 server (they inherit its variables)."""
     import ray
     from ray.cluster_utils import Cluster
 

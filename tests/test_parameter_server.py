@@ -91,16 +91,21 @@ PRECISION, ACCUMULATION = "mixed_float16", 2
 
 
 def test_one_ps_two_workers_train_in_mixed_precision_with_the_variables_on_the_ps(cluster, ps_dir, criteo_data,
-                                                                                  tmp_path):
+                                                                                  tmp_path, s3):
     """One ps task, two workers, and the same loop as under mirrored: 16-bit compute with float32 variables
     on the ps task (float16 with loss scaling; mixed_bfloat16 is the same path without it, tested under
     mirrored), and gradient accumulation: each scheduled step runs its K micro-batches on one worker, then
     applies once (the table's sparse gradients summed dense). (train.jit_compile is a spec error: XLA
-    cannot reach variables on the ps tasks.)"""
+    cannot reach variables on the ps tasks.) Its output.dir is in object storage (a real S3 API): everything
+    it leaves is there, nothing in the job folder."""
+    import raytf
+
+    out = f"s3://{s3.bucket()}/runs/ps"
     train = {"epochs": 3, "precision": PRECISION, "global_batch_size": BATCH // ACCUMULATION,
              "accumulation_steps": ACCUMULATION}
-    spec = ps_spec(criteo_data, train=train, output={"tensorboard": True, "export": ["keras", "saved_model"]})
-    result = run(load(write_job(ps_dir, spec)))
+    spec = ps_spec(criteo_data, train=train, output={"tensorboard": True, "export": ["keras", "saved_model"],
+                                                     "dir": out})
+    result = raytf.fit(write_job(ps_dir, spec))
 
     assert result.status == "succeeded"
     assert [t["role"] for t in result.tasks] == ["chief", "ps", "worker", "worker"]
@@ -115,7 +120,14 @@ def test_one_ps_two_workers_train_in_mixed_precision_with_the_variables_on_the_p
     devices = result.variable_devices
     assert set(devices) >= {"table/embeddings", "dense/kernel"}
     assert all(d.startswith("/job:ps/replica:0/task:0/") for ds in devices.values() for d in ds), devices
-    model = keras.models.load_model(result.model_path)  # a plain Keras model, with raytf.layers.Embedding
+    stored = s3.files(out)
+    assert {"result.json", "model.keras", "saved_model/saved_model.pb"} <= set(stored), sorted(stored)
+    assert any(name.startswith("tensorboard/") and ".tfevents" in name for name in stored), sorted(stored)
+    assert result.model_path == f"{out}/model.keras" and result.tensorboard_dir == f"{out}/tensorboard"
+    assert not (ps_dir / "runs").exists() and not list(ps_dir.rglob("result.json")), "results in the job folder"
+    model_file = s3.download(result.model_path, tmp_path / "model.keras")  # as a user fetches it
+    saved_model = str(s3.download(result.exports["saved_model"], tmp_path / "saved_model"))
+    model = keras.models.load_model(model_file)  # a plain Keras model, with raytf.layers.Embedding
     assert model.get_layer("table").get_weights()[0].shape == (2048, 8)
     assert all(w.dtype == "float32" for w in model.get_weights())
     assert model.layers[-1].dtype_policy.name == PRECISION
@@ -123,13 +135,13 @@ def test_one_ps_two_workers_train_in_mixed_precision_with_the_variables_on_the_p
     # The SavedModel holds plain variables (the sharded table joined) and serves the 7 columns by name,
     # in a process with no raytf (whose Embedding layer model.keras needs).
     feed = feed_of(str(criteo_data / "val"), spec["data"]["features"], "label", spec["data"]["fill_nulls"])
-    served, info = serve_in_a_fresh_process(result.exports["saved_model"], feed, tmp_path)
+    served, info = serve_in_a_fresh_process(saved_model, feed, tmp_path)
     assert info == {"raytf_imported": False, "inputs": sorted(feed), "outputs": ["output"]}
     import tensorflow as tf
 
     expected = keras.ops.convert_to_numpy(model({k: tf.constant(v) for k, v in feed.items()}, training=False))
     np.testing.assert_allclose(served, expected, rtol=1e-5, atol=1e-5)
-    shown = saved_model_cli(result.exports["saved_model"])
+    shown = saved_model_cli(saved_model)
     assert "inputs['C1']" in shown and "dtype: DT_STRING" in shown and "inputs['I1']" in shown
     assert_nothing_left()
 
@@ -192,10 +204,13 @@ def test_a_killed_ps_fails_the_job_with_its_cause(cluster, ps_dir, criteo_data):
     assert_nothing_left()
 
 
-def test_a_sweep_runs_parameter_server_trials_each_in_its_own_placement_group(cluster, ps_dir, criteo_data):
+def test_a_sweep_runs_parameter_server_trials_each_in_its_own_placement_group(cluster, ps_dir, criteo_data, s3):
+    """...with its output.dir in object storage: Tune's state, every trial's results and the sweep's own files
+    go to the bucket, nothing to the job folder."""
     import raytf
 
-    spec = ps_spec(criteo_data, train={"epochs": 1}, cluster={"workers": 1})
+    out = f"s3://{s3.bucket()}/sweeps/ps"
+    spec = ps_spec(criteo_data, train={"epochs": 1}, cluster={"workers": 1}, output={"dir": out, "tensorboard": False})
     spec["tune"] = {"metric": "val_loss", "mode": "min", "space": {"optimizer.learning_rate": {"grid": [0.001, 0.03]}}}
     result = raytf.tune(write_job(ps_dir, spec, "sweep.yaml"))
 
@@ -203,7 +218,14 @@ def test_a_sweep_runs_parameter_server_trials_each_in_its_own_placement_group(cl
     assert [r["status"] for r in result.rows] == ["completed", "completed"], result.table
     finals = {r["point"]: r["final"] for r in result.rows}
     assert result.best["point"] == min(finals, key=finals.get)
+    stored = s3.files(out)
     for r in result.rows:
-        saved = (ps_dir / "runs" / "ps" / "trials" / r["point"] / "result.json").read_text()
-        assert '"role": "ps"' in saved and '"role": "chief"' in saved
+        saved = s3.read(f"{out}/trials/{r['point']}/result.json").decode()
+        assert '"role": "ps"' in saved and '"role": "chief"' in saved and '"status": "succeeded"' in saved
+        assert f"trials/{r['point']}/model.keras" in stored
+    assert {"sweep.json", "sweep.png", "best.yaml", "points.json"} <= set(stored), sorted(stored)
+    assert any(name.startswith("tune/") for name in stored)  # Tune's own experiment state
+    assert result.sweep_json == f"{out}/sweep.json" and result.best_spec_path == f"{out}/best.yaml"
+    assert f"output:\n  dir: {out}/best" in s3.read(result.best_spec_path).decode()
+    assert not (ps_dir / "runs").exists()
     assert_nothing_left()

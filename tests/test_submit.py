@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.timeout(60),  # the tests that start jobs say how long
 
 
 @pytest.fixture(scope="module")
-def live_head():
+def live_head(s3):
     """The module's head, shared by its tests. A test that finds it gone gets a new one (the test it
     died in has already failed with HeadDied), so one crash of Ray's head costs one test a rerun."""
     heads = []
@@ -36,7 +36,7 @@ def live_head():
             return heads[-1]
         if heads:
             stop_head(heads[-1].proc, heads[-1])
-        heads.append(start_head(["--num-cpus=3", "--num-gpus=2"])[0])
+        heads.append(start_head(["--num-cpus=3", "--num-gpus=2"], extra_env=s3.env)[0])  # the cluster reaches S3
         return heads[-1]
 
     yield current
@@ -113,12 +113,14 @@ WRITING_MODEL = textwrap.dedent('''
 
 @pytest.mark.cluster
 @pytest.mark.timeout(360)
-def test_submit_from_the_job_folder_runs_a_two_worker_job_to_success_and_leaves_no_package_behind(head, job_dir):
+def test_submit_from_the_job_folder_runs_a_two_worker_job_to_success_and_leaves_no_package_behind(head, job_dir, s3):
     """Submitted from inside its folder, as users do; the job's model writes into that folder on import, so
-    on the cluster the driver's package of its working copy differs and is uploaded again from there."""
+    on the cluster the driver's package of its working copy differs and is uploaded again from there. Its
+    output.dir is a bucket: the results outlive the head's temporary working copy, and `raytf results` and
+    `raytf status` read them from there."""
     (job_dir / "writing.py").write_text(WRITING_MODEL)
-    out = job_dir / "out"  # same machine as the head: the driver's result is readable here
-    write_job(job_dir, base_spec(model="writing:build_model", output={"dir": str(out)}))
+    out = f"s3://{s3.bucket()}/runs/t"
+    write_job(job_dir, base_spec(model="writing:build_model", output={"dir": out}))
     before = {p.name for p in job_dir.iterdir()}
     proc = cli(head, "submit", "job.yaml", "--address", head.address, "--set", "train.epochs=1", cwd=job_dir)
 
@@ -127,14 +129,19 @@ def test_submit_from_the_job_folder_runs_a_two_worker_job_to_success_and_leaves_
     assert "raytf: t succeeded" in proc.stdout  # the driver's own lines, followed live
     assert "epoch 1 done" in proc.stdout
     assert proc.stderr.strip().splitlines()[-1] == f"raytf: job {job_id} SUCCEEDED"
-    result = json.loads((out / "result.json").read_text())
+    assert f"raytf: results go to {out} (`raytf results {out}` reads them)" in proc.stderr
+    result = json.loads(s3.read(f"{out}/result.json"))
     assert result["status"] == "succeeded" and len(result["history"]) == 1  # --set reached the cluster
+    assert {"result.json", "model.keras"} <= set(s3.files(out))
+    shown = cli(head, "results", out, timeout=60)
+    assert shown.returncode == 0 and shown.stdout.startswith(f"t: succeeded -- {out}/result.json"), shown.stderr
     assert [t["rank"] for t in result["tasks"]] == [0, 1]
     assert len({t["weights_digest"] for t in result["tasks"]}) == 1
 
     status = cli(head, "status", job_id, "--address", head.address, timeout=60)
     assert status.returncode == 0 and status.stdout.startswith(f"raytf: job {job_id} SUCCEEDED"), status.stderr
     assert "entrypoint: raytf run job.yaml --set train.epochs=1" in status.stdout
+    assert f"  run: t: succeeded -- {out}/result.json" in status.stdout  # the run's own state, from the bucket
     logs = cli(head, "logs", job_id, "--address", head.address, timeout=60)
     assert logs.returncode == 0 and "raytf: t succeeded" in logs.stdout
 
@@ -142,7 +149,8 @@ def test_submit_from_the_job_folder_runs_a_two_worker_job_to_success_and_leaves_
     assert copies  # the job's working copy on the head, where its driver ran
     for copy in copies:
         assert not list(copy.rglob("*.zip")), f"a package was built inside the working copy {copy}"
-    assert {p.name for p in job_dir.iterdir()} == before | {"out"}  # nothing else appeared where the user stood
+        assert not list(copy.rglob("result.json")), f"results in the head's working copy {copy}"
+    assert {p.name for p in job_dir.iterdir()} == before  # nothing appeared where the user stood
     wait_for_actors(head, "gone", 30)
 
 

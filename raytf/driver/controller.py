@@ -19,6 +19,7 @@ from typing import Any, Callable
 from raytf import backends
 from raytf.protocol import Outcome, Progress, WorkerPayload
 from raytf.checkpoint import Storage, resume_note
+from raytf.driver import attempts as run_attempts
 from raytf.driver import failure as failure_lib
 from raytf.driver.drain import DrainWatch
 from raytf.driver.failure import Failure
@@ -154,7 +155,8 @@ class _Attempt:
 class Controller:
     def __init__(self, job: Job, resources: Resources, *, env: dict[str, Any], limits: Limits = Limits(),
                  clock=WallClock, display: ProgressDisplay | None = None, resume: bool = False,
-                 on_epoch: Callable[[dict[str, Any]], None] | None = None, placement_group=None):
+                 on_epoch: Callable[[dict[str, Any]], None] | None = None, placement_group=None,
+                 attempts: list[dict[str, Any]] | None = None):
         self.job, self.spec = job, job.spec
         self.backend = backends.get(self.spec.strategy)
         self.resources, self.env, self.limits, self.clock = resources, env, limits, clock
@@ -169,7 +171,7 @@ class Controller:
         self.bad_checkpoints: set[str] = set()
         self.started = clock.now()
         self.result = Result(name=self.spec.name, strategy=self.spec.strategy, status="failed",
-                             output_dir=str(job.output_dir))
+                             output_dir=job.output_where, attempts=list(attempts or []))
         self.decisions: list[dict[str, Any]] = []  # one per failed attempt: what happened, what was done
         self.worker_losses: list[dict[str, Any]] = []
         self.state = PLACING
@@ -497,10 +499,10 @@ class Controller:
                 result.examples_per_s = round(steps_after_first * spec.train.effective_batch_size / train_s, 1)
         synchronous = self.backend.synchronous_steps
         result.stragglers = stragglers.find([e for e in result.tasks if "timed_steps" in e], train_s, synchronous)
-        result.exports = {fmt: str(self.job.output_dir / rel) for fmt, rel in chief.exports.items()}
+        result.exports = {fmt: self.job.output_location(rel) for fmt, rel in chief.exports.items()}
         result.model_path = result.exports.get("keras")
-        tb = self.job.output_dir / "tensorboard"
-        result.tensorboard_dir = str(tb) if tb.exists() else None
+        tb_written = (self.job.output_dir / "tensorboard").exists()
+        result.tensorboard_dir = self.job.output_location("tensorboard") if tb_written else None
         self._write()
         self.display.message(summary_table(result.history))
         for hint in _train_fn_hints(spec, result):
@@ -572,14 +574,17 @@ class Controller:
         self.result.wall_s = round(self.clock.now() - self.started, 3)
         self.result.restarts = [{k: v for k, v in d.items() if k != "charged"} for d in self.decisions]
         self.result.worker_losses = list(self.worker_losses)
-        self.result.write()
+        if self.result.attempts:
+            run_attempts.end(self.result.attempts[-1], self.result.status, self.result.error)
+        self.result.write(self.job.output_dir)
 
 
 def run(job: Job, group_cls: Callable[..., WorkerGroup] | None = None,
         display: ProgressDisplay | None = None, resume: bool = False,
         on_epoch: Callable[[dict[str, Any]], None] | None = None, placement_group=None,
         code_env: dict[str, Any] | None = None, verbose: bool = False,
-        resources: Resources | None = None, clock=WallClock, limits: Limits = Limits()) -> Result:
+        resources: Resources | None = None, clock=WallClock, limits: Limits = Limits(),
+        attempts: list[dict[str, Any]] | None = None) -> Result:
     """Attempts until one succeeds or the restart policy gives up: each attempt reserves (or re-uses the
     held placement group), starts, trains and tears down; a restart resumes from the latest checkpoint.
 
@@ -588,7 +593,8 @@ def run(job: Job, group_cls: Callable[..., WorkerGroup] | None = None,
     `code_env`: the actors' runtime env, already uploaded by `packaging.upload_code` (a sweep uploads the
     job folder once, from the driver, for all its trials: a trial may run on a node without that folder).
     `verbose`: Ray's own lines about the upload too. `resources`, `clock`, `limits`: seams for tests
-    (by default Ray's, with `group_cls` for the attempts' actors: a RayWorkerGroup or a subclass)."""
+    (by default Ray's, with `group_cls` for the attempts' actors: a RayWorkerGroup or a subclass).
+    `attempts`: the run's starts so far (raytf.driver.attempts), this one last; result.json records its end."""
     spec = job.spec
     _checkpoint_storage(job, resume)  # a --resume mistake is a spec error before anything is uploaded
     if resources is None:
@@ -600,7 +606,7 @@ def run(job: Job, group_cls: Callable[..., WorkerGroup] | None = None,
     env = code_env if code_env is not None else upload_code(runtime_env(job), verbose=verbose,
                                                              note=display.message if display else None)
     controller = Controller(job, resources, env=env, limits=limits, clock=clock, display=display, resume=resume,
-                            on_epoch=on_epoch, placement_group=placement_group)
+                            on_epoch=on_epoch, placement_group=placement_group, attempts=attempts)
     return controller.run()
 
 

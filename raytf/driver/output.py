@@ -1,6 +1,9 @@
 """A run's output.dir, before anything starts: checked usable, held by one run at a time, and cleared of an
 earlier run's results so that a new run's result.json never sits beside an older run's model.
 
+output.dir may be a URI (s3://, gs://, hdfs://): the run then writes into a local staging folder
+(`Job.output_dir`) and everything in it is shipped up to the URI when the run ends, however it ends.
+
 No Ray, no TensorFlow: the driver calls `claim(job)` around the whole run.
 """
 from __future__ import annotations
@@ -15,13 +18,23 @@ import uuid
 from pathlib import Path
 from typing import Iterator
 
-from raytf.errors import SpecError, clip
+from raytf.errors import RaytfError, SpecError, clip
 from raytf.job import Job
+from raytf.storage import Folder, is_uri
 
 LOCK = ".raytf-lock"
 EARLIER = "earlier-runs"  # an earlier run's results, moved aside (never deleted): earlier-runs/<when>/
 # What a run writes into output.dir (raytf.actor.export, raytf.driver.report), and so what an earlier run left.
 RESULTS = ("result.json", "model.keras", "saved_model", "tensorboard")
+
+
+def storage(job: Job) -> Folder:
+    """output.dir as a Folder; one on object storage is checked writable first (a SpecError naming the URI
+    and the fix: before any actor starts, not after the job trained)."""
+    folder = Folder(job.output_where, "output.dir")
+    if folder.remote:
+        folder.check_writable()
+    return folder
 
 
 def check(job: Job) -> Path:
@@ -97,19 +110,80 @@ def claim(job: Job, resume: bool = False) -> Iterator[Path]:
         handle.close()
         raise SpecError(f"output.dir {out} is in use by another run ({holder}); wait for it to end, or give this "
                         f"run another output.dir (--set output.dir=...)") from None
+    remote = Folder(job.output_where) if is_uri(job.output_where) else None
     try:
         handle.seek(0)
         handle.truncate()
         handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}))
         handle.flush()
-        if not resume:
+        if remote is not None:
+            _empty(out)  # a staging folder left by a run that died: the URI holds the truth
+            if not resume:
+                move_earlier_remote(remote)
+        elif not resume:
             move_earlier_results(out)
-        yield out
+        try:
+            yield out
+        except BaseException:
+            if remote is not None:
+                ship(out, remote, failing=True)
+            raise
+        if remote is not None:
+            ship(out, remote)
     finally:
         with contextlib.suppress(OSError):
             os.unlink(out / LOCK)
         handle.close()
+        if remote is not None:  # an emptied staging folder goes too (one with unshipped results stays)
+            with contextlib.suppress(OSError):
+                out.rmdir()
+
+
+def ship(staging: Path, remote: Folder, failing: bool = False) -> list[str]:
+    """Copy the staged results up to output.dir, then empty the staging folder. If that fails the files
+    stay where they are and the error says where (a run that already failed keeps its own error)."""
+    from raytf.driver.packaging import OUTPUT_MARKER
+
+    try:
+        copied = remote.upload(staging, skip=(LOCK, OUTPUT_MARKER))
+    except Exception as exc:
+        if failing:
+            return []
+        raise RaytfError(f"the run's results could not be written to output.dir {remote.where} ({exc}); they are "
+                         f"kept in {staging}") from None
+    _empty(staging)
+    return copied
+
+
+def _empty(folder: Path) -> None:
+    """Delete everything in `folder` but its lock."""
+    import shutil
+
+    for entry in folder.iterdir():
+        if entry.name == LOCK:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                entry.unlink()
+
+
+def move_earlier_remote(remote: Folder) -> str | None:
+    """As move_earlier_results, in object storage: an earlier run's results go to earlier-runs/<when>/."""
+    found = [name for name in RESULTS if remote.exists(name)]
+    if not found:
+        return None
+    previous = remote.read_json("result.json") or {}
+    attempts = previous.get("attempts") or [{}]
+    when = str(attempts[-1].get("started") or time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    target = f"{EARLIER}/{when.replace(':', '').replace('T', '-')[:15]}"
+    while remote.exists(target):
+        target += "-1"
+    for name in found:
+        remote.move(name, f"{target}/{name}")
+    return remote.location(target)
 
 
 def move_earlier_results(out: Path) -> Path | None:

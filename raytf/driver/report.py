@@ -46,6 +46,8 @@ class Result:
     evaluations: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     evaluations_error: str | None = None  # the evaluator failed or did not finish; training still counts
     worker_losses: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    # each start of the run on its storage (raytf.driver.attempts): cluster, host, start, end, why it ended
+    attempts: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     @property
     def final(self) -> dict[str, Any]:
@@ -54,15 +56,26 @@ class Result:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def write(self) -> Path:
-        path = Path(self.output_dir) / "result.json"
+    @classmethod
+    def from_dict(cls, saved: dict[str, Any]) -> "Result":
+        """A result.json read back (keys this version does not know are left out)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in saved.items() if k in known})
+
+    def json_text(self) -> str:
+        # strict JSON: a NaN or infinite number is null (json.dumps would write bare NaN, which parsers refuse)
+        return json.dumps(finite(self.to_dict()), indent=2, default=str, allow_nan=False) + "\n"
+
+    def write(self, folder: Path | None = None) -> Path:
+        """result.json in `folder`: output.dir, or for output.dir on object storage the local staging folder
+        shipped up to it (default: output_dir, a local path)."""
+        path = Path(folder or self.output_dir) / "result.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         from raytf.driver.packaging import mark_output  # a later job's package leaves this folder out
 
         mark_output(path.parent)
         tmp = path.with_suffix(".json.tmp")
-        # strict JSON: a NaN or infinite number is null (json.dumps would write bare NaN, which parsers refuse)
-        tmp.write_text(json.dumps(finite(self.to_dict()), indent=2, default=str, allow_nan=False) + "\n")
+        tmp.write_text(self.json_text())
         os.replace(tmp, path)  # readers never see half a file
         return path
 

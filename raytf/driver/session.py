@@ -146,3 +146,10 @@ def _local_logs() -> str:
         return os.path.join(ray._private.worker._global_node.get_session_dir_path(), "logs")
     except AttributeError:  # Ray's private layout moved
         return "/tmp/ray/session_latest/logs"
+
+
+def cluster_identity() -> dict[str, str]:
+    """Which Ray cluster this process drives, for a run's attempts: its session (new with every cluster
+    start) and its GCS address."""
+    context = ray.get_runtime_context()
+    return {"session": context.get_session_name(), "address": context.gcs_address}

@@ -1,0 +1,265 @@
+"""A run lives in storage: output.dir as a URI on a real S3 API (tests/s3_server.py), `resume: auto` across
+clusters, attempts in result.json, `raytf results`, bad storage found before anything starts, and the KubeRay
+RayJob manifest of `raytf k8s`.
+
+(The parameter-server job and the sweep into a bucket are test_parameter_server's; the submitted job's is
+test_submit's.)"""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from raytf.driver import attempts
+from tests.conftest import base_spec, write_job
+
+BIN = Path(sys.executable).parent
+pytestmark = pytest.mark.timeout(120)
+
+
+def raytf_cli(*args, cwd, env=None, timeout=100) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "raytf"), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def listing(folder: Path) -> list[str]:
+    """What the user's job folder holds (bytecode aside: Python writes it wherever a module is imported)."""
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if "__pycache__" not in p.parts)
+
+
+# ---------------------------------------------------------------- bad storage: before anything starts
+
+
+@pytest.mark.parametrize("where, says", [
+    ("foo://bucket/runs/m", "pyarrow cannot open it (Unrecognized filesystem type in URI: foo://bucket/runs/m)"),
+    ("s3://no-such-bucket-raytf/runs/m", "Bucket 'no-such-bucket-raytf' not found"),
+    ("s3://{bucket}/runs/m@unreachable", "does not answer"),
+])
+def test_bad_storage_is_one_line_and_exit_2_before_any_code_runs(s3, job_dir, where, says):
+    env = None
+    if where.endswith("@unreachable"):  # an endpoint nothing listens on
+        where, env = where.removesuffix("@unreachable").format(bucket=s3.bucket()), {"AWS_ENDPOINT_URL": "http://127.0.0.1:9"}
+    (job_dir / "tmodel.py").write_text("raise SystemExit('the job code was imported')\n")
+    write_job(job_dir, base_spec())
+    before = listing(job_dir)
+    proc = raytf_cli("run", "job.yaml", "--set", f"output.dir={where}", cwd=job_dir, env=env)
+
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"raytf: error: output.dir {where}"), lines
+    assert says in lines[0] and "Traceback" not in proc.stderr
+    assert listing(job_dir) == before  # no folder named "s3:" or "foo:" made in the job folder
+
+
+# ---------------------------------------------------------------- results, attempts, the command line
+
+
+def test_raytf_results_reads_a_run_from_the_bucket_and_says_when_there_is_none(s3, tmp_path):
+    out = f"s3://{s3.bucket()}/runs/m"
+    fs = s3.fs()
+    saved = {"name": "m", "strategy": "mirrored", "status": "failed", "output_dir": out, "error": "boom",
+             "history": [{"epoch": 1, "loss": 0.5}], "tasks": [], "exports": {},
+             "attempts": [{"attempt": 1, "cluster": {"session": "session_a"}, "host": "h", "started": "t0",
+                           "ended": "t1", "ended_because": "failed: boom", "resumed_from_step": None}]}
+    with fs.open_output_stream(out.removeprefix("s3://") + "/result.json") as f:
+        f.write(json.dumps(saved).encode())
+
+    shown = raytf_cli("results", out, cwd=tmp_path)
+    assert shown.returncode == 1, shown.stderr  # a failed run
+    assert shown.stdout.splitlines()[0] == f"m: failed (boom) -- {out}/result.json"
+    assert "attempt 1: t0 .. t1 on h (session_a): failed: boom" in shown.stdout
+    as_json = raytf_cli("results", out, "--json", cwd=tmp_path)
+    assert json.loads(as_json.stdout) == saved
+    missing = raytf_cli("results", out + "-nothing", cwd=tmp_path)
+    assert missing.returncode == 2 and missing.stderr.startswith(f"raytf: error: no result.json in {out}-nothing")
+
+
+def test_an_attempt_that_never_wrote_its_end_is_marked_lost_and_only_a_finished_run_of_the_same_name_counts():
+    earlier = {"name": "m", "status": "running",
+               "attempts": [{"attempt": 1, "started": "t0", "ended": None, "ended_because": None}]}
+    carried = attempts.carried(earlier, "m")
+    assert carried[0]["ended_because"] == attempts.LOST and earlier["attempts"][0]["ended_because"] is None
+    assert attempts.carried(earlier, "another") == []
+    assert not attempts.succeeded(earlier, "m")
+    assert attempts.succeeded({**earlier, "status": "succeeded"}, "m")
+    assert not attempts.succeeded({**earlier, "status": "succeeded"}, "another")
+    this = attempts.begin(2, {"session": "s"}, 44)
+    attempts.end(this, "failed", "x" * 1000)
+    assert this["ended"] and this["ended_because"] == "failed: " + "x" * 300
+
+
+@pytest.mark.parametrize("args, resume", [
+    (["--resume", "auto", "job.yaml"], "auto"), (["job.yaml", "--resume", "auto"], "auto"),
+    (["job.yaml", "--resume=auto"], "auto"), (["--resume", "job.yaml"], True), (["job.yaml"], None),
+])
+def test_resume_auto_is_a_value_and_a_bare_resume_stays_a_flag_wherever_it_stands(args, resume):
+    from raytf.cli import run
+
+    params = run.make_context("run", list(args)).params
+    assert params["job_file"] == "job.yaml"
+    assert ("auto" if params["resume_auto"] else (True if params["resume"] else None)) == resume
+
+
+def test_submit_says_where_the_results_go(job_dir):
+    from raytf import submit
+
+    path = write_job(job_dir, base_spec(output={"dir": "s3://team/runs/t"}))
+    sub = submit.prepare(path)
+    assert sub.metadata[submit.OUTPUT_KEY] == "s3://team/runs/t"  # `raytf status` reads the run from there
+    assert sub.results == "raytf: results go to s3://team/runs/t (`raytf results s3://team/runs/t` reads them)"
+    local = submit.prepare(write_job(job_dir, base_spec()))
+    assert submit.OUTPUT_KEY not in local.metadata
+    assert "runs/t/ in the head's temporary copy of the job folder, which Ray removes" in local.results
+    assert "--set output.dir=s3://bucket/runs/t" in local.results
+
+
+# ---------------------------------------------------------------- raytf k8s: a KubeRay RayJob
+
+QUANTITY = re.compile(r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
+DNS_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def check_pod_template(template: dict, where: str) -> list[dict]:
+    containers = template["spec"]["containers"]
+    assert containers, where
+    for c in containers:
+        assert c["name"] and c["image"], where  # required by the Pod spec
+        for kind in ("limits", "requests"):
+            for key, value in c["resources"][kind].items():
+                assert isinstance(value, str) and QUANTITY.match(value), (where, key, value)
+    return containers
+
+
+def test_raytf_k8s_writes_a_rayjob_kuberay_accepts_sized_from_the_spec(job_dir):
+    """The fields KubeRay's RayJob CRD (ray.io/v1, ray-operator/config/crd/bases/ray.io_rayjobs.yaml) requires:
+    spec.entrypoint, rayClusterSpec.headGroupSpec.{rayStartParams, template}, and per worker group groupName,
+    rayStartParams and template; quantities in Kubernetes' format; names DNS-1123."""
+    spec = base_spec(name="Digits_GPU.v2", output={"dir": "s3://team/runs/digits"}, train={"global_batch_size": 96},
+                     cluster={"workers": 3, "cpus_per_worker": 4, "gpus_per_worker": 1, "resources_per_worker": {"spot": 1}})
+    write_job(job_dir, spec)
+    proc = raytf_cli("k8s", "job.yaml", "--image", "registry.example/digits:1", "--queue", "team-a",
+                     "--storage-secret", "s3-credentials", "--set", "train.epochs=9", cwd=job_dir)
+    assert proc.returncode == 0, proc.stderr
+    manifest = yaml.safe_load(proc.stdout)
+
+    assert manifest["apiVersion"] == "ray.io/v1" and manifest["kind"] == "RayJob"
+    assert DNS_1123.match(manifest["metadata"]["name"]) and manifest["metadata"]["name"] == "digits-gpu-v2"
+    assert manifest["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    job = manifest["spec"]
+    assert job["entrypoint"] == "cd /app && raytf run job.yaml --resume auto --set train.epochs=9"
+    assert job["backoffLimit"] == 2 and job["shutdownAfterJobFinishes"] is True
+    cluster = job["rayClusterSpec"]
+    assert cluster["authOptions"] == {"mode": "token"} and cluster["rayVersion"].startswith("2.60")
+    head = cluster["headGroupSpec"]
+    assert head["rayStartParams"]["num-cpus"] == "0"  # the head runs the driver, no training task
+    head_containers = check_pod_template(head["template"], "head")
+    assert head_containers[0]["envFrom"] == [{"secretRef": {"name": "s3-credentials"}}]
+    [group] = cluster["workerGroupSpecs"]
+    assert group["groupName"] and group["replicas"] == group["minReplicas"] == group["maxReplicas"] == 3
+    assert group["rayStartParams"] == {"num-cpus": "4", "num-gpus": "1", "resources": '{"spot": 1.0}'}
+    [worker] = check_pod_template(group["template"], "worker")
+    assert worker["image"] == "registry.example/digits:1"
+    assert worker["resources"]["limits"] == {"cpu": "4", "memory": "8Gi", "nvidia.com/gpu": "1"}
+
+    ps = write_job(job_dir, {**base_spec(strategy="parameter_server", output={"dir": "gs://team/ps"},
+                                         cluster={"workers": 2, "ps": 2, "cpus_per_ps": 2, "cpus_per_worker": 1})},
+                   "ps.yaml")
+    groups = yaml.safe_load(raytf_cli("k8s", ps.name, cwd=job_dir).stdout)["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    assert sorted((g["rayStartParams"]["num-cpus"], g["replicas"]) for g in groups) == [("1", 3), ("2", 2)]  # chief+2 workers, 2 ps
+
+    local = raytf_cli("k8s", "job.yaml", "--set", "output.dir=runs/x", cwd=job_dir)
+    assert local.returncode == 2 and "KubeRay deletes with the cluster" in local.stderr
+    assert "--set output.dir=s3://bucket/runs/Digits_GPU.v2" in local.stderr
+
+
+# ---------------------------------------------------------------- a run killed, then started on a new cluster
+
+PACED_MODEL = textwrap.dedent('''
+    """tmodel's model with a pause in each step, so that a run can be killed between two epochs."""
+    import time
+
+    import keras
+    import tensorflow as tf
+
+    from tmodel import build_model as _build
+
+
+    class Pace(keras.layers.Layer):
+        def call(self, x, training=None):
+            if training:  # serving (the SavedModel's signature) has no pause
+                tf.py_function(lambda: time.sleep(0.04), [], [])
+            return x
+
+
+    def build_model():
+        inner = _build()
+        return keras.Sequential([keras.Input(shape=(64,)), Pace(), *inner.layers])
+''')
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_a_run_killed_after_two_checkpoints_resumes_from_the_bucket_on_a_new_cluster_and_then_trains_nothing(
+        s3, job_dir):
+    """`raytf run --resume auto` with output.dir in a bucket, killed (SIGKILL to it and its embedded Ray) after
+    its second checkpoint; the same command again (a brand-new Ray) continues from the bucket and every epoch
+    is trained once; a third start trains nothing. Everything is in the bucket, nothing in the job folder."""
+    (job_dir / "paced.py").write_text(PACED_MODEL)
+    out = f"s3://{s3.bucket()}/runs/m"
+    write_job(job_dir, base_spec(name="m", model="paced:build_model", train={"epochs": 5},
+                                 output={"dir": out, "export": ["keras", "saved_model"]}))
+    before = listing(job_dir)
+    command = [str(BIN / "raytf"), "run", "job.yaml", "--resume", "auto"]
+
+    first = subprocess.Popen(command, cwd=job_dir, start_new_session=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 150
+        while len([f for f in s3.files(f"{out}/checkpoints") if f.endswith("/raytf.json")]) < 2:
+            assert first.poll() is None and time.time() < deadline, first.stdout.read()[-3000:]
+            time.sleep(0.1)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)  # the driver and its embedded Ray: the cluster is gone
+        first.wait(30)
+    killed = json.loads(s3.read(f"{out}/result.json"))
+    assert killed["status"] == "running" and killed["attempts"][0]["ended"] is None
+
+    second = subprocess.run(command, cwd=job_dir, capture_output=True, text=True, timeout=200)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    said = re.search(r"raytf: resume: auto: continuing from step (\d+) \(epoch (\d+)\) in " + re.escape(out),
+                     second.stderr)
+    assert said, second.stderr[-3000:]
+    step, epoch = int(said.group(1)), int(said.group(2))
+    assert step in (44, 66, 88) and epoch == step // 22 + 1  # at or after the second checkpoint, before the end
+    trained = [int(e) for e in re.findall(r"^epoch (\d+) done", second.stderr, re.M)]
+    assert trained == list(range(epoch, 6)), second.stderr[-3000:]  # this attempt trained only what was left
+    result = json.loads(s3.read(f"{out}/result.json"))
+    assert result["status"] == "succeeded"
+    assert [h["epoch"] for h in result["history"]] == [1, 2, 3, 4, 5]  # every epoch once
+    assert [h["examples"] for h in result["history"]] == [1408] * 5
+    first_try, second_try = result["attempts"]
+    assert first_try["ended_because"] == attempts.LOST and second_try["ended_because"] == "succeeded"
+    assert second_try["resumed_from_step"] == step
+    assert first_try["cluster"]["session"] != second_try["cluster"]["session"]  # a brand-new Ray
+    assert len({t["weights_digest"] for t in result["tasks"]}) == 1
+    stored = s3.files(out)
+    assert {"result.json", "model.keras", "saved_model/saved_model.pb"} <= set(stored), sorted(stored)
+    assert any(name.startswith("tensorboard/") for name in stored)
+    assert result["model_path"] == f"{out}/model.keras" and result["output_dir"] == out
+    assert f"raytf: result {out}/result.json" in second.stdout
+
+    third = subprocess.run(command, cwd=job_dir, capture_output=True, text=True, timeout=100)
+    assert third.returncode == 0, third.stderr
+    assert f"raytf: resume: auto: m already succeeded in {out}/result.json; nothing to train" in third.stderr
+    assert "workers' logs" not in third.stderr  # no Ray started
+    assert json.loads(s3.read(f"{out}/result.json")) == result
+    shown = raytf_cli("results", out, cwd=job_dir)
+    assert shown.returncode == 0 and "attempt 2:" in shown.stdout and f"from step {step}: succeeded" in shown.stdout
+    assert listing(job_dir) == before  # nothing in the job folder
