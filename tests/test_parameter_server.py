@@ -226,6 +226,6 @@ def test_a_sweep_runs_parameter_server_trials_each_in_its_own_placement_group(cl
     assert {"sweep.json", "sweep.png", "best.yaml", "points.json"} <= set(stored), sorted(stored)
     assert any(name.startswith("tune/") for name in stored)  # Tune's own experiment state
     assert result.sweep_json == f"{out}/sweep.json" and result.best_spec_path == f"{out}/best.yaml"
-    assert f"output:\n  dir: {out}/best" in s3.read(result.best_spec_path).decode()
+    assert f"dir: '{out}/best'" in s3.read(result.best_spec_path).decode()  # a best run goes to the bucket too
     assert not (ps_dir / "runs").exists()
     assert_nothing_left()
