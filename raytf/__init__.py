@@ -43,25 +43,31 @@ def fit(spec_or_path: "str | Mapping[str, Any] | JobSpec | Job", overrides: Mapp
     merged.update({k.replace("__", "."): v for k, v in dotted_overrides.items()})
     if resume is not None:
         merged["resume"] = resume
+    display = display or ProgressDisplay(quiet=True)
+    from raytf.driver import attempts, output
+
+    # A run that already succeeded in its storage (resume: auto) is answered from there, before its data is
+    # read or its code imported: a retry of a finished job costs a second, not a TensorFlow start.
+    shape = job_lib.load(spec_or_path, merged, check_data=False, check_code=False)
+    mode = shape.spec.resume
+    storage = output.storage(shape)  # output.dir on object storage: writable, before anything starts
+    previous = storage.read_json("result.json") if mode else None
+    if mode == "auto" and attempts.succeeded(previous, shape.spec.name):
+        display.message(f"raytf: resume: auto: {shape.spec.name} already succeeded in "
+                        f"{storage.location('result.json')}; nothing to train (give another output.dir or name to "
+                        f"train it again)")
+        return Result.from_dict(previous)
     with quiet.native_noise_filtered(quiet.hide_native_noise(verbose)):
         job = job_lib.load(spec_or_path, merged)
     left_out = packaging.check_job_folder(job)
-    display = display or ProgressDisplay(quiet=True)
     if left_out:
         display.message(left_out)
 
-    from raytf.driver import attempts, controller, output  # Ray: only once the spec is known to be good
+    from raytf.driver import controller  # Ray: only once the spec is known to be good
     from raytf.driver.session import cluster_identity, ray_session
 
     from raytf.checkpoint import Storage, resume_note
 
-    mode = job.spec.resume
-    storage = output.storage(job)  # output.dir on object storage: writable, before anything starts
-    previous = storage.read_json("result.json") if mode else None
-    if mode == "auto" and attempts.succeeded(previous, job.spec.name):
-        display.message(f"raytf: resume: auto: {job.spec.name} already succeeded in {storage.location('result.json')}; "
-                        f"nothing to train (give another output.dir or name to train it again)")
-        return Result.from_dict(previous)
     note = resume_note(job.checkpoint_dir, mode)  # --resume and checkpoint.dir agree, before anything starts
     if note:
         display.message(note)

@@ -128,7 +128,9 @@ def test_a_host_whose_link_goes_down_mid_epoch_costs_one_restart_on_the_host_lef
     detected_s = restart["time"] - down_at
     print(f"link down -> attempt failed: {detected_s:.1f}s ({restart['kind']}: {restart['reason'][:120]}); "
           f"training again after {restart['first_step_at'] - down_at:.1f}s")
-    assert detected_s < 60  # a broken collective, well before failure.hang_timeout_s (300 s)
+    # Found by the collective timeout (15 s) when a collective is in flight as the cable goes; otherwise by Ray's
+    # node health checks (~60 s: seen once in 3 CI runs, 62 s). Either way well before failure.hang_timeout_s (300 s).
+    assert detected_s < 90
     assert restart["kind"] in ("collective", "actor_died", "hang") and restart["workers"] == 1
     assert [t["node_ip"] for t in result["tasks"]] == [hosts.hosts[W1].address]
     assert result["tasks"][0]["optimizer_steps"] == 4 * (1437 // 16)  # the effective batch kept, every step

@@ -81,6 +81,23 @@ def test_raytf_results_reads_a_run_from_the_bucket_and_says_when_there_is_none(s
     assert missing.returncode == 2 and missing.stderr.startswith(f"raytf: error: no result.json in {out}-nothing")
 
 
+def test_a_new_run_moves_an_earlier_runs_results_aside_in_the_bucket_and_keeps_its_checkpoints(s3):
+    from raytf.driver.output import move_earlier_remote
+    from raytf.storage import Folder
+
+    out = Folder(f"s3://{s3.bucket()}/runs/m")
+    out.write_json("result.json", {"name": "m", "attempts": [{"started": "2026-12-05T02:05:42+0000"}]})
+    out.write_bytes("saved_model/variables/variables.index", b"index")
+    out.write_bytes("checkpoints/ckpt-000000000044/raytf.json", b"{}")
+
+    moved = move_earlier_remote(out)
+    assert moved == f"{out.where}/earlier-runs/20261205-020542"
+    assert sorted(s3.files(out.where)) == ["checkpoints/ckpt-000000000044/raytf.json",
+                                           "earlier-runs/20261205-020542/result.json",
+                                           "earlier-runs/20261205-020542/saved_model/variables/variables.index"]
+    assert move_earlier_remote(out) is None  # nothing left to move
+
+
 def test_an_attempt_that_never_wrote_its_end_is_marked_lost_and_only_a_finished_run_of_the_same_name_counts():
     earlier = {"name": "m", "status": "running",
                "attempts": [{"attempt": 1, "started": "t0", "ended": None, "ended_because": None}]}
@@ -214,7 +231,7 @@ def test_a_run_killed_after_two_checkpoints_resumes_from_the_bucket_on_a_new_clu
     (job_dir / "paced.py").write_text(PACED_MODEL)
     out = f"s3://{s3.bucket()}/runs/m"
     write_job(job_dir, base_spec(name="m", model="paced:build_model", train={"epochs": 5},
-                                 output={"dir": out, "export": ["keras", "saved_model"]}))
+                                 output={"dir": out}))
     before = listing(job_dir)
     command = [str(BIN / "raytf"), "run", "job.yaml", "--resume", "auto"]
 
@@ -250,15 +267,16 @@ def test_a_run_killed_after_two_checkpoints_resumes_from_the_bucket_on_a_new_clu
     assert first_try["cluster"]["session"] != second_try["cluster"]["session"]  # a brand-new Ray
     assert len({t["weights_digest"] for t in result["tasks"]}) == 1
     stored = s3.files(out)
-    assert {"result.json", "model.keras", "saved_model/saved_model.pb"} <= set(stored), sorted(stored)
+    assert {"result.json", "model.keras"} <= set(stored), sorted(stored)  # (the SavedModel: the PS job's test)
     assert any(name.startswith("tensorboard/") for name in stored)
     assert result["model_path"] == f"{out}/model.keras" and result["output_dir"] == out
     assert f"raytf: result {out}/result.json" in second.stdout
 
+    (job_dir / "paced.py").write_text("raise SystemExit('the job code was imported')\n")
     third = subprocess.run(command, cwd=job_dir, capture_output=True, text=True, timeout=100)
     assert third.returncode == 0, third.stderr
     assert f"raytf: resume: auto: m already succeeded in {out}/result.json; nothing to train" in third.stderr
-    assert "workers' logs" not in third.stderr  # no Ray started
+    assert "workers' logs" not in third.stderr  # no Ray started, and the job's code not even imported
     assert json.loads(s3.read(f"{out}/result.json")) == result
     shown = raytf_cli("results", out, cwd=job_dir)
     assert shown.returncode == 0 and "attempt 2:" in shown.stdout and f"from step {step}: succeeded" in shown.stdout

@@ -176,9 +176,12 @@ def move_earlier_remote(remote: Folder) -> str | None:
     if not found:
         return None
     previous = remote.read_json("result.json") or {}
-    attempts = previous.get("attempts") or [{}]
-    when = str(attempts[-1].get("started") or time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-    target = f"{EARLIER}/{when.replace(':', '').replace('T', '-')[:15]}"
+    started = ((previous.get("attempts") or [{}])[-1] or {}).get("started")
+    try:  # named as move_earlier_results names them: when that run started (now, if it does not say)
+        when = time.strftime("%Y%m%d-%H%M%S", time.strptime(str(started), "%Y-%m-%dT%H:%M:%S%z"))
+    except ValueError:
+        when = time.strftime("%Y%m%d-%H%M%S")
+    target = f"{EARLIER}/{when}"
     while remote.exists(target):
         target += "-1"
     for name in found:

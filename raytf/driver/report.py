@@ -69,6 +69,8 @@ class Result:
     def write(self, folder: Path | None = None) -> Path:
         """result.json in `folder`: output.dir, or for output.dir on object storage the local staging folder
         shipped up to it (default: output_dir, a local path)."""
+        if folder is None and "://" in self.output_dir:  # never a local folder named "s3:"
+            raise ValueError(f"result.json for output.dir {self.output_dir} is written to its staging folder")
         path = Path(folder or self.output_dir) / "result.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         from raytf.driver.packaging import mark_output  # a later job's package leaves this folder out
