@@ -323,27 +323,40 @@ def test_asha_stops_a_clearly_bad_trial_early_and_its_actors_die_with_it(cluster
 
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
-def test_a_stopped_sweep_continues_with_resume(cluster, job_dir):
+def test_a_stopped_sweep_continues_with_resume(cluster, job_dir, s3):
+    """...from object storage: output.dir is a bucket, so Tune's state, the finished trial and the points
+    are read back from there (as on a new cluster)."""
+    out = f"s3://{s3.bucket()}/sweeps/t"
     path = sweep_file(job_dir, {"space": {"optimizer.learning_rate": {"grid": [0.01, 0.02]}},
-                                "max_concurrent_trials": 1}, train={"epochs": 1})
-    first = job_dir / "runs" / "t" / "trials" / "p00" / "result.json"
+                                "max_concurrent_trials": 1}, train={"epochs": 1}, output={"dir": out})
+    first = f"{out}/trials/p00/result.json"
 
-    tune_dir = job_dir / "runs" / "t" / "tune"
+    def first_written() -> float | None:
+        import pyarrow.fs as pafs
+
+        info = s3.fs().get_file_info(first.removeprefix("s3://"))
+        return info.mtime_ns if info.type == pafs.FileType.File else None
+
+    def p01_started() -> bool:
+        from ray.util.state import list_actors
+
+        return any("-p01:" in (a.name or "") for a in list_actors(filters=[("state", "=", "ALIVE")],
+                                                                   raise_on_missing_output=False))
 
     def interrupt_after_the_first_trial():  # as Ctrl-C would, once p00 is done
         # p00's result.json can be written before Tune records the trial as completed; with one trial at a
-        # time, Tune creating p01's folder means p00 is done in Tune's own state too.
+        # time, p01's actors running means p00 is done in Tune's own state too.
         deadline = time.time() + 200
         while time.time() < deadline:
-            if first.exists() and any(tune_dir.glob("p01_*")):
+            if first_written() is not None and p01_started():
                 os.kill(os.getpid(), signal.SIGINT)  # Tune catches it: saves its state and returns
                 return
-            time.sleep(0.2)
+            time.sleep(0.5)
 
     threading.Thread(target=interrupt_after_the_first_trial, daemon=True).start()
     stopped = raytf.tune(path)
     assert stopped.interrupted and [r["status"] for r in stopped.rows] == ["completed", "unfinished"], stopped.table
-    first_written = first.stat().st_mtime_ns
+    written = first_written()
     assert_nothing_left()
 
     with pytest.raises(SpecError, match="already holds a sweep; pass --resume"):
@@ -352,6 +365,8 @@ def test_a_stopped_sweep_continues_with_resume(cluster, job_dir):
     assert not resumed.interrupted
     assert [r["status"] for r in resumed.rows] == ["completed", "completed"], resumed.table
     assert [r["trial_id"] for r in resumed.rows] == [r["trial_id"] for r in stopped.rows]
-    assert first.stat().st_mtime_ns == first_written  # p00 was not run again
+    assert first_written() == written  # p00 was not run again
+    assert {"sweep.json", "best.yaml", "points.json", "trials/p01/result.json"} <= set(s3.files(out))
+    assert not (job_dir / "runs").exists()
     assert resumed.best is not None
     assert_nothing_left()
