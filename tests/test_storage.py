@@ -81,6 +81,30 @@ def test_raytf_results_reads_a_run_from_the_bucket_and_says_when_there_is_none(s
     assert missing.returncode == 2 and missing.stderr.startswith(f"raytf: error: no result.json in {out}-nothing")
 
 
+def test_a_finished_run_in_a_local_output_dir_is_answered_from_there_by_its_job_file(job_dir):
+    """resume: auto and `raytf results JOB_FILE` with output.dir a plain folder: the same answers as a bucket's,
+    without importing the job's code or starting Ray."""
+    (job_dir / "tmodel.py").write_text("raise SystemExit('the job code was imported')\n")
+    write_job(job_dir, base_spec(name="done", resume="auto"))
+    out = job_dir / "runs" / "done"
+    out.mkdir(parents=True)
+    saved = {"name": "done", "strategy": "mirrored", "status": "succeeded", "output_dir": str(out),
+             "history": [{"epoch": 1, "loss": 0.25}], "tasks": [], "exports": {"keras": str(out / "model.keras")}}
+    (out / "result.json").write_text(json.dumps(saved))
+
+    again = raytf_cli("run", "job.yaml", cwd=job_dir)
+    assert again.returncode == 0, again.stderr
+    assert again.stderr.startswith(f"raytf: resume: auto: done already succeeded in {out}/result.json; nothing to train")
+    assert f"raytf: result {out}/result.json; keras {out}/model.keras" in again.stdout
+    assert json.loads((out / "result.json").read_text()) == saved  # untouched
+    shown = raytf_cli("results", "job.yaml", cwd=job_dir)
+    assert shown.returncode == 0 and shown.stdout.splitlines()[0] == f"done: succeeded -- {out}/result.json"
+    by_name = raytf_cli("results", "done", cwd=job_dir)  # runs/<name> here
+    assert by_name.stdout == shown.stdout
+    fresh = raytf_cli("run", "job.yaml", "--set", "name=other", cwd=job_dir)  # another run: its code is needed
+    assert fresh.returncode != 0 and "the job code was imported" in fresh.stderr
+
+
 def test_a_new_run_moves_an_earlier_runs_results_aside_in_the_bucket_and_keeps_its_checkpoints(s3):
     from raytf.driver.output import move_earlier_remote
     from raytf.storage import Folder

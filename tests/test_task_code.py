@@ -157,8 +157,8 @@ def test_verbose_prints_the_failed_tasks_traceback_before_the_one_line(capsys):
 def test_ctrl_c_exits_130_and_sigterm_143_each_saying_interrupted(capsys):
     from raytf.cli import Terminated, _exit_on_error
 
-    for raised, code, said in ((KeyboardInterrupt(), 130, "raytf: interrupted\n"),
-                               (Terminated(), 143, "raytf: interrupted (SIGTERM)\n")):
+    for signalled, code, said in ((KeyboardInterrupt(), 130, "raytf: interrupted\n"),
+                                  (Terminated(), 143, "raytf: interrupted (SIGTERM)\n")):
         with pytest.raises(SystemExit) as exited, _exit_on_error():
-            raise raised
+            raise signalled
         assert exited.value.code == code and capsys.readouterr().err == said
