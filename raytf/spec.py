@@ -487,6 +487,13 @@ class JobSpec(_Strict):
         "checkpoint (as --resume); auto: continue if there is one, start if not, and train nothing if this run "
         "already succeeded in output.dir (checkpoints default to <output.dir>/checkpoints). --resume [auto] overrides it."))
 
+    @field_validator("resume", mode="before")
+    @classmethod
+    def _resume_value(cls, value: Any) -> Any:
+        if isinstance(value, bool) or value == "auto":
+            return value
+        raise ValueError(f"{value!r} is not one of false, true, auto; e.g. resume: auto")
+
     @field_validator("loss")
     @classmethod
     def _loss_as_spec(cls, value: Union[str, LossSpec]) -> LossSpec:

@@ -148,6 +148,15 @@ def test_resume_auto_is_a_value_and_a_bare_resume_stays_a_flag_wherever_it_stand
     assert ("auto" if params["resume_auto"] else (True if params["resume"] else None)) == resume
 
 
+def test_a_bad_resume_value_names_the_three_it_takes():
+    from raytf.errors import SpecError
+    from raytf.job import parse
+
+    with pytest.raises(SpecError, match=r"^job spec: resume: 'always' is not one of false, true, auto; e\.g\. resume: auto$"):
+        parse(base_spec(resume="always"))
+    assert parse(base_spec(resume="auto")).resume == "auto" and parse(base_spec()).resume is False
+
+
 def test_submit_says_where_the_results_go(job_dir):
     from raytf import submit
 
