@@ -82,7 +82,32 @@ def fit(spec_or_path: "str | Mapping[str, Any] | JobSpec | Job", overrides: Mapp
         running = Result(name=job.spec.name, strategy=job.spec.strategy, status="running",
                          output_dir=job.output_where, attempts=tries, history=list(latest.history) if latest else [])
         storage.write_bytes("result.json", running.json_text().encode())
-        return controller.run(job, display=display, resume=bool(mode), verbose=verbose, attempts=tries)
+        try:
+            return controller.run(job, display=display, resume=bool(mode), verbose=verbose, attempts=tries)
+        except BaseException as exc:
+            _close_unfinished(job, running, exc)
+            raise
+
+
+def _close_unfinished(job: Job, running: Result, exc: BaseException) -> None:
+    """A run that failed before its controller wrote result.json (the job folder's upload, a controller that
+    never started) ends failed or interrupted, not "running" (which the next attempt would call lost)."""
+    import json
+
+    from raytf.driver import attempts
+
+    staged = job.output_dir / "result.json"  # output.dir, or the staging folder shipped up to it
+    try:
+        written = json.loads(staged.read_text()).get("status") != "running"
+    except (OSError, ValueError):
+        written = False
+    if written:
+        return
+    interrupted = isinstance(exc, KeyboardInterrupt)
+    running.status = "interrupted" if interrupted else "failed"
+    running.error = "interrupted" if interrupted else str(exc) or type(exc).__name__
+    attempts.end(running.attempts[-1], running.status, running.error)
+    running.write(job.output_dir)
 
 
 def tune(sweep_or_path: "str | Mapping[str, Any]", overrides: Mapping[str, Any] | None = None, *,

@@ -34,10 +34,11 @@ class Job:
     @property
     def checkpoint_dir(self) -> str | None:
         """checkpoint.dir as every process must see it: URIs as they are, relative paths under the job folder.
-        Unset, a run that resumes by itself (resume: auto) keeps them in its storage: <output.dir>/checkpoints."""
+        Unset, a run that resumes (resume: auto or true, --resume) keeps them in its storage:
+        <output.dir>/checkpoints."""
         location = self.spec.checkpoint.dir
         if location is None:
-            return f"{self.output_where}/checkpoints" if self.spec.resume == "auto" else None
+            return f"{self.output_where}/checkpoints" if self.spec.resume else None
         return self.data_path(location)
 
     @property

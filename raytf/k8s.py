@@ -40,11 +40,25 @@ def ray_version() -> str:
         return "2.60.0"
 
 
+MAX_NAME = 47  # KubeRay's longest RayJob name (it adds suffixes for the cluster and the pods)
+QUANTITY = re.compile(r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|"
+                      r"(\.[0-9]+))))?$")  # a Kubernetes resource quantity
+
+
 def k8s_name(name: str) -> str:
-    """A DNS-1123 name from the job's name (lower case, '-' for anything else, at most 50 characters:
-    KubeRay adds suffixes to it for the cluster and the pods)."""
-    cleaned = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")[:50].strip("-")
-    return cleaned or "raytf-job"
+    """A DNS-1035 name from the job's name: lower case, '-' for anything else, starting with a letter, at
+    most MAX_NAME characters."""
+    cleaned = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")
+    if not cleaned[:1].isalpha():
+        cleaned = f"r-{cleaned}"
+    return cleaned[:MAX_NAME].strip("-") or "raytf-job"
+
+
+def ray_start_resources(custom: dict[str, float]) -> str:
+    """`ray start --resources` as KubeRay's rayStartParams take it: a JSON object quoted for the shell
+    KubeRay pastes it into ('"{\\"spot\\":1}"')."""
+    body = json.dumps({k: (int(v) if float(v).is_integer() else v) for k, v in custom.items()}, separators=(",", ":"))
+    return '"' + body.replace('"', '\\"') + '"'
 
 
 def worker_groups(bundles: list[dict[str, float]], memory: str) -> list[dict[str, Any]]:
@@ -60,11 +74,12 @@ def worker_groups(bundles: list[dict[str, float]], memory: str) -> list[dict[str
         limits: dict[str, Any] = {"cpu": str(max(1, math.ceil(cpus))), "memory": memory}
         if gpus:
             limits["nvidia.com/gpu"] = str(math.ceil(gpus))
-        params: dict[str, str] = {"num-cpus": f"{cpus:g}"}
+        # `ray start --num-cpus` takes whole CPUs: a pod per bundle, so a fractional bundle rounds up
+        params: dict[str, str] = {"num-cpus": str(max(1, math.ceil(cpus)))}
         if gpus:
             params["num-gpus"] = f"{math.ceil(gpus)}"
         if bundle:  # custom resources (cluster.resources_per_worker), as `ray start --resources`
-            params["resources"] = json.dumps({k: v for k, v in bundle.items()})
+            params["resources"] = ray_start_resources(bundle)
         label = f"gpu{gpus:g}-cpu{cpus:g}".replace(".", "p") if gpus else f"cpu{cpus:g}".replace(".", "p")
         groups.append({"groupName": f"workers-{label}" if len(shapes) > 1 else "workers",
                        "replicas": count, "minReplicas": count, "maxReplicas": count,
@@ -81,6 +96,9 @@ def rayjob(job: Job, job_file: str, *, image: str | None = None, settings: Seque
         raise SpecError(f"{job.source}: output.dir {job.output_where} is on the cluster's disk, which KubeRay deletes "
                         f"with the cluster (and every retry builds a new one); set output.dir to a URI, e.g. "
                         f"--set output.dir=s3://bucket/runs/{job.spec.name}")
+    for option, value in (("--worker-memory", worker_memory), ("--head-memory", head_memory)):
+        if not QUANTITY.match(value):
+            raise SpecError(f"{option} {value!r} is not a Kubernetes quantity; write e.g. 8Gi or 16G")
     from raytf.driver.placement import job_bundles
 
     image = image or DEFAULT_IMAGE.format(ray=ray_version())

@@ -396,7 +396,7 @@ class FailureSpec(_Strict):
 class CheckpointSpec(_Strict):
     dir: str | None = Field(default=None, description=(
         "A local directory (shared by all nodes) or a pyarrow.fs URI (s3://, gs://, hdfs://). None: no checkpoints "
-        "(with resume: auto, <output.dir>/checkpoints)."))
+        "(with resume: auto or true, <output.dir>/checkpoints)."))
     every_steps: int | None = Field(default=None, ge=1, description=(
         "Checkpoint every this many optimizer steps (instead of every_epochs)."))
     every_epochs: int | None = Field(default=None, ge=1, description=(
@@ -485,7 +485,8 @@ class JobSpec(_Strict):
     resume: Union[bool, Literal["auto"]] = Field(default=False, description=(
         "false: a fresh run (a checkpoint.dir holding checkpoints is an error); true: continue from its latest "
         "checkpoint (as --resume); auto: continue if there is one, start if not, and train nothing if this run "
-        "already succeeded in output.dir (checkpoints default to <output.dir>/checkpoints). --resume [auto] overrides it."))
+        "already succeeded in output.dir. Resuming, checkpoints default to <output.dir>/checkpoints. --resume [auto] "
+        "overrides it."))
 
     @field_validator("resume", mode="before")
     @classmethod

@@ -29,7 +29,7 @@ from raytf.driver.report import ProgressDisplay
 from raytf.errors import PlacementTimeout, SpecError
 from raytf.job import Job
 from raytf.spec import JobSpec
-from raytf.storage import Folder, is_uri
+from raytf.storage import Folder, is_uri, staging_dir
 from raytf.sweep_report import SweepResult
 
 EXPERIMENT = "tune"  # Tune's experiment folder inside the sweep's output.dir
@@ -51,7 +51,10 @@ class PreparedSweep:
 
     @property
     def output_dir(self) -> Path:
-        """Where this process writes the sweep's files: output.dir, or the staging folder of a URI."""
+        """Where this process writes the sweep's files: output.dir, or for a URI a staging folder of its own
+        (not the one a run of the base job into the same URI would use)."""
+        if self.remote:
+            return staging_dir(self.output_where, f"{self.base.spec.name}-sweep")
         return self.base.output_dir
 
     @property
@@ -283,15 +286,19 @@ def run(prepared: PreparedSweep, display: ProgressDisplay | None = None, resume:
                                       callbacks=[_progress_callback(display.quiet, descriptions,
                                                                     section.metric, epochs)]),
         )
-    with _quiet_tune_console():
-        tuner.fit()
-    wall = time.time() - started
-    result = _collect(prepared, experiment, limit, started, wall, float(ray.cluster_resources().get("CPU", 0)))
-    if prepared.remote:  # sweep.json, sweep.png, best.yaml: written here, kept there
-        from raytf.driver.output import ship
+    finished = False
+    try:
+        with _quiet_tune_console():
+            tuner.fit()
+        wall = time.time() - started
+        result = _collect(prepared, experiment, limit, started, wall, float(ray.cluster_resources().get("CPU", 0)))
+        finished = True
+        return result
+    finally:
+        if prepared.remote:  # sweep.json, sweep.png, best.yaml: written here, kept there (whatever was written)
+            from raytf.driver.output import ship
 
-        ship(out, storage)
-    return result
+            ship(out, storage, failing=not finished)
 
 
 def _unpack_everywhere(code_env: dict[str, Any], display: ProgressDisplay, timeout_s: float = 120.0) -> None:

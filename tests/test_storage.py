@@ -105,6 +105,27 @@ def test_a_finished_run_in_a_local_output_dir_is_answered_from_there_by_its_job_
     assert fresh.returncode != 0 and "the job code was imported" in fresh.stderr
 
 
+def test_a_run_that_fails_before_its_controller_writes_ends_failed_not_running(tmp_path):
+    """(e.g. the job folder's upload failing): result.json says failed, and the attempt why."""
+    from raytf import _close_unfinished
+    from raytf.driver.report import Result
+    from raytf.job import Job, parse
+
+    job = Job(spec=parse(base_spec(output={"dir": str(tmp_path / "out")})), job_dir=tmp_path)
+    running = Result(name="t", strategy="mirrored", status="running", output_dir=job.output_where,
+                     attempts=[attempts.begin(1, {"session": "s"}, None)])
+    job.output_dir.mkdir()
+    (job.output_dir / "result.json").write_text(running.json_text())
+    _close_unfinished(job, running, RuntimeError("the job folder could not be uploaded"))
+    saved = json.loads((job.output_dir / "result.json").read_text())
+    assert saved["status"] == "failed" and saved["error"] == "the job folder could not be uploaded"
+    assert saved["attempts"][0]["ended_because"] == "failed: the job folder could not be uploaded"
+
+    _close_unfinished(job, Result(name="t", strategy="mirrored", status="running", output_dir=job.output_where,
+                                  attempts=[{}]), KeyboardInterrupt())  # written already: left as it is
+    assert json.loads((job.output_dir / "result.json").read_text()) == saved
+
+
 def test_a_new_run_moves_an_earlier_runs_results_aside_in_the_bucket_and_keeps_its_checkpoints(s3):
     from raytf.driver.output import move_earlier_remote
     from raytf.storage import Folder
@@ -213,7 +234,8 @@ def test_raytf_k8s_writes_a_rayjob_kuberay_accepts_sized_from_the_spec(job_dir):
     assert head_containers[0]["envFrom"] == [{"secretRef": {"name": "s3-credentials"}}]
     [group] = cluster["workerGroupSpecs"]
     assert group["groupName"] and group["replicas"] == group["minReplicas"] == group["maxReplicas"] == 3
-    assert group["rayStartParams"] == {"num-cpus": "4", "num-gpus": "1", "resources": '{"spot": 1.0}'}
+    # as KubeRay's samples quote --resources for the shell it pastes rayStartParams into
+    assert group["rayStartParams"] == {"num-cpus": "4", "num-gpus": "1", "resources": '"{\\"spot\\":1}"'}
     [worker] = check_pod_template(group["template"], "worker")
     assert worker["image"] == "registry.example/digits:1"
     assert worker["resources"]["limits"] == {"cpu": "4", "memory": "8Gi", "nvidia.com/gpu": "1"}
@@ -223,6 +245,12 @@ def test_raytf_k8s_writes_a_rayjob_kuberay_accepts_sized_from_the_spec(job_dir):
                    "ps.yaml")
     groups = yaml.safe_load(raytf_cli("k8s", ps.name, cwd=job_dir).stdout)["spec"]["rayClusterSpec"]["workerGroupSpecs"]
     assert sorted((g["rayStartParams"]["num-cpus"], g["replicas"]) for g in groups) == [("1", 3), ("2", 2)]  # chief+2 workers, 2 ps
+    half = yaml.safe_load(raytf_cli("k8s", ps.name, "--set", "cluster.cpus_per_worker=0.5", "--set", "name=2024_run",
+                                    cwd=job_dir).stdout)
+    assert half["metadata"]["name"] == "r-2024-run"  # a DNS-1035 name starts with a letter
+    assert {g["rayStartParams"]["num-cpus"] for g in half["spec"]["rayClusterSpec"]["workerGroupSpecs"]} == {"1", "2"}
+    bad_memory = raytf_cli("k8s", ps.name, "--worker-memory", "8GB", cwd=job_dir)
+    assert bad_memory.returncode == 2 and "--worker-memory '8GB' is not a Kubernetes quantity" in bad_memory.stderr
 
     local = raytf_cli("k8s", "job.yaml", "--set", "output.dir=runs/x", cwd=job_dir)
     assert local.returncode == 2 and "KubeRay deletes with the cluster" in local.stderr

@@ -41,4 +41,5 @@ def begin(number: int, cluster: dict[str, Any], resumed_from_step: int | None) -
 def end(attempt: dict[str, Any], status: str, error: str | None) -> None:
     """Close `attempt` with the run's end state and its reason."""
     attempt["ended"] = now()
-    attempt["ended_because"] = status if status == "succeeded" or not error else f"{status}: {error[:300]}"
+    plain = status == "succeeded" or not error or error == status  # "interrupted", not "interrupted: interrupted"
+    attempt["ended_because"] = status if plain else f"{status}: {error[:300]}"

@@ -13,6 +13,7 @@ import fcntl
 import json
 import os
 import socket
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -118,7 +119,9 @@ def claim(job: Job, resume: bool = False) -> Iterator[Path]:
                                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}))
         handle.flush()
         if remote is not None:
-            _empty(out)  # a staging folder left by a run that died: the URI holds the truth
+            if any(entry.name != LOCK for entry in out.iterdir()):
+                ship(out, remote)  # an earlier run's results that never got there: now, or an error keeps them
+            _empty(out)
             if not resume:
                 move_earlier_remote(remote)
         elif not resume:
@@ -148,10 +151,12 @@ def ship(staging: Path, remote: Folder, failing: bool = False) -> list[str]:
     try:
         copied = remote.upload(staging, skip=(LOCK, OUTPUT_MARKER))
     except Exception as exc:
-        if failing:
+        said = (f"the run's results could not be written to output.dir {remote.where} ({exc}); they are kept in "
+                f"{staging} (the next run into it tries again)")
+        if failing:  # the run's own error comes after this line
+            print(f"raytf: {said}", file=sys.stderr, flush=True)
             return []
-        raise RaytfError(f"the run's results could not be written to output.dir {remote.where} ({exc}); they are "
-                         f"kept in {staging}") from None
+        raise RaytfError(said) from None
     _empty(staging)
     return copied
 
