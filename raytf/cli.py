@@ -88,7 +88,8 @@ class _ResumeAutoCommand(click.Command):
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
               help="Override a spec key, e.g. --set train.epochs=3 (repeatable).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress display; only errors and the final path.")
-@click.option("--resume", is_flag=True, help=("Continue from the latest checkpoint in checkpoint.dir. `--resume auto`: "
+@click.option("--resume", is_flag=True, help=("Continue from the latest checkpoint in checkpoint.dir (default "
+                                              "<output.dir>/checkpoints). `--resume auto`: "
                                               "continue if there is one, start if not, train nothing if the run already "
                                               "succeeded in output.dir (as `resume: auto` in the spec)."))
 @click.option("--resume-auto", is_flag=True, hidden=True)
