@@ -11,13 +11,12 @@ import dataclasses
 import json
 import os
 import posixpath
-import uuid
 from typing import Any
 
 import pyarrow.fs as pafs
 
 from raytf.errors import SpecError
-from raytf.storage import open_fs
+from raytf.storage import open_fs, probe_write
 
 META = "raytf.json"
 PREFIX = "ckpt-"
@@ -77,12 +76,8 @@ class Storage:
 
     def check_writable(self) -> None:
         """Create the directory and write and delete a probe file; SpecError naming the cause if not."""
-        probe = self._full(f".raytf-probe-{uuid.uuid4().hex}")
         try:
-            self.fs.create_dir(self.root, recursive=True)
-            with self.fs.open_output_stream(probe) as f:
-                f.write(b"ok")
-            self.fs.delete_file(probe)
+            probe_write(self.fs, self.root)
         except Exception as exc:
             raise SpecError(f"checkpoint.dir: cannot write to {self.location!r} ({exc}); "
                             f"choose a writable directory or URI") from None
@@ -134,8 +129,7 @@ class Storage:
         return self.uri(target)
 
     def download(self, checkpoint: CheckpointInfo, local_dir: str) -> None:
-        fs, path = (pafs.FileSystem.from_uri(checkpoint.path) if "://" in checkpoint.path
-                    else (pafs.LocalFileSystem(), checkpoint.path))
+        fs, path = open_fs(checkpoint.path)
         os.makedirs(local_dir, exist_ok=True)
         for entry in fs.get_file_info(pafs.FileSelector(path)):
             if entry.type != pafs.FileType.File:

@@ -33,6 +33,16 @@ def open_fs(where: str):
     return pafs.LocalFileSystem(), os.path.abspath(where)
 
 
+def probe_write(fs, root: str) -> None:
+    """Create `root` and write and delete a probe file in it: what "writable" means for every folder raytf
+    writes (output.dir, checkpoint.dir). The file system's own error, if any, is for the caller to word."""
+    probe = posixpath.join(root, f".raytf-probe-{uuid.uuid4().hex}")
+    fs.create_dir(root, recursive=True)
+    with fs.open_output_stream(probe) as f:
+        f.write(b"ok")
+    fs.delete_file(probe)
+
+
 def staging_dir(uri: str, name: str) -> Path:
     """Where a run whose output.dir is a URI writes before shipping: a folder of this machine's temp dir,
     one per (run, URI), outside every job folder (so nothing lands in the job folder or a head's copy of it)."""
@@ -65,12 +75,8 @@ class Folder:
     def check_writable(self) -> None:
         """Create the folder, write and delete a probe: a SpecError naming the folder and the fix if not."""
         self._check_endpoint()
-        probe = self._path(f".raytf-probe-{uuid.uuid4().hex}")
         try:
-            self.fs.create_dir(self.root, recursive=True)
-            with self.fs.open_output_stream(probe) as f:
-                f.write(b"ok")
-            self.fs.delete_file(probe)
+            probe_write(self.fs, self.root)
         except Exception as exc:
             hint = ("check the endpoint (AWS_ENDPOINT_URL), the credentials and that the bucket exists and is "
                     "writable" if self.remote else "give a folder you can write")
