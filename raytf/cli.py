@@ -383,9 +383,7 @@ def k8s(job_file: str, image: str | None, settings: tuple[str, ...], workdir: st
 
     with _exit_on_error():
         path = Path(job_file).expanduser().resolve()
-        overrides = job_lib.parse_set_options(list(settings))
-        spec = job_lib.parse(job_lib.apply_overrides(job_lib.read_yaml(path), overrides), job_file)
-        job = job_lib.Job(spec=spec, job_dir=job_lib.job_folder(spec, path.parent, job_file), source=job_file)
+        job = job_lib.read_job(job_file, settings)
         try:
             inside = path.relative_to(job.job_dir).as_posix()
         except ValueError:

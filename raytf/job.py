@@ -255,6 +255,15 @@ def load(source: "str | Path | Mapping[str, Any] | JobSpec | Job",
     return job
 
 
+def read_job(job_file: "str | Path", settings: "list[str] | tuple[str, ...]" = ()) -> Job:
+    """A job file read, with `--set KEY=VALUE` settings, and validated into a Job: its shape only (pure: no
+    code imported, no data read, no storage touched), for commands that describe a job rather than run it
+    (submit, k8s, results). SpecError as `load`'s."""
+    path = Path(job_file).expanduser().resolve()
+    spec = parse(apply_overrides(read_yaml(path), parse_set_options(list(settings))), str(job_file))
+    return Job(spec=spec, job_dir=job_folder(spec, path.parent, str(job_file)), source=str(job_file))
+
+
 def job_folder(spec: JobSpec, start: Path, source: str = "job spec") -> Path:
     """The job folder: base_dir resolved against `start` (the job file's folder), else `start`."""
     if spec.base_dir is None:

@@ -19,12 +19,9 @@ def locate(run: str, settings: Sequence[str] = ()) -> str:
         return run.rstrip("/")
     path = Path(run).expanduser()
     if path.is_file() and path.suffix in (".yaml", ".yml"):
-        from raytf import job as job_lib
+        from raytf.job import read_job
 
-        overrides = job_lib.parse_set_options(list(settings))
-        spec = job_lib.parse(job_lib.apply_overrides(job_lib.read_yaml(path.resolve()), overrides), run)
-        job = job_lib.Job(spec=spec, job_dir=job_lib.job_folder(spec, path.resolve().parent, run), source=run)
-        return job.output_where
+        return read_job(run, settings).output_where
     if path.is_dir():
         return str(path.resolve())
     if (Path("runs") / run).is_dir():

@@ -85,9 +85,8 @@ def prepare(job_file: str | Path, settings: Sequence[str] = (), verbose: bool = 
     the cluster can see still submits) and build the entrypoint and runtime env. The full check (modules,
     data, Keras names) runs on the cluster and comes back as exit code 2."""
     path = Path(job_file).expanduser().resolve()
-    overrides = job_lib.parse_set_options(list(settings))
-    spec = job_lib.parse(job_lib.apply_overrides(job_lib.read_yaml(path), overrides), str(job_file))
-    job = job_lib.Job(spec=spec, job_dir=job_lib.job_folder(spec, path.parent, str(job_file)), source=str(job_file))
+    job = job_lib.read_job(job_file, settings)
+    spec = job.spec
     try:
         entry_file = path.relative_to(job.job_dir).as_posix()
     except ValueError:
