@@ -44,13 +44,15 @@ def fit(spec_or_path: "str | Mapping[str, Any] | JobSpec | Job", overrides: Mapp
     if resume is not None:
         merged["resume"] = resume
     display = display or ProgressDisplay(quiet=True)
-    from raytf.driver import attempts, output
+    from raytf.driver import attempts
+    from raytf.storage import Folder
 
     # A run that already succeeded in its storage (resume: auto) is answered from there, before its data is
-    # read or its code imported: a retry of a finished job costs a second, not a TensorFlow start.
+    # read or its code imported: a retry of a finished job costs a second, not a TensorFlow start. This load
+    # also checks that output.dir and checkpoint.dir can be written.
     shape = job_lib.load(spec_or_path, merged, check_data=False, check_code=False)
     mode = shape.spec.resume
-    storage = output.storage(shape)  # output.dir on object storage: writable, before anything starts
+    storage = Folder(shape.output_where, "output.dir")
     previous = storage.read_json("result.json") if mode else None
     if mode == "auto" and attempts.succeeded(previous, shape.spec.name):
         display.message(f"raytf: resume: auto: {shape.spec.name} already succeeded in "
@@ -58,12 +60,12 @@ def fit(spec_or_path: "str | Mapping[str, Any] | JobSpec | Job", overrides: Mapp
                         f"train it again)")
         return Result.from_dict(previous)
     with quiet.native_noise_filtered(quiet.hide_native_noise(verbose)):
-        job = job_lib.load(spec_or_path, merged)
+        job = job_lib.load(spec_or_path, merged, check_storage=False)  # probed just above
     left_out = packaging.check_job_folder(job)
     if left_out:
         display.message(left_out)
 
-    from raytf.driver import controller  # Ray: only once the spec is known to be good
+    from raytf.driver import controller, output  # Ray: only once the spec is known to be good
     from raytf.driver.session import cluster_identity, ray_session
 
     from raytf.checkpoint import Storage, resume_note

@@ -179,12 +179,14 @@ def read_yaml(path: Path) -> dict[str, Any]:
 
 def load(source: "str | Path | Mapping[str, Any] | JobSpec | Job",
          overrides: Mapping[str, Any] | None = None,
-         check_data: bool = True, check_code: bool = True) -> Job:
+         check_data: bool = True, check_code: bool = True, check_storage: bool = True) -> Job:
     """Load, override, validate and resolve a job: the one place a spec is checked.
 
     The checks that need no TensorFlow come first (shape, paths, modules found, checkpoint dir, data,
     divisibility), so a spec wrong in those ways fails in a fraction of an `import tensorflow`; only then
-    are the named functions imported and the Keras names checked (`check_code`: `check_job_code`)."""
+    are the named functions imported and the Keras names checked (`check_code`: `check_job_code`).
+    `check_storage=False` skips the write probes of output.dir and checkpoint.dir, for a caller that has just
+    loaded the same job with them."""
     overrides = dict(overrides or {})
     if isinstance(source, Job):
         if not overrides:
@@ -206,12 +208,13 @@ def load(source: "str | Path | Mapping[str, Any] | JobSpec | Job",
     if spec.train_fn is not None:
         check_train_fn_keras(spec, job_dir)
     job = Job(spec=spec, job_dir=job_dir, source=name)
-    # pyarrow is imported only for a job that needs it: `import raytf` and a spec error stay fast
-    if is_uri(job.output_where):  # bad storage is found before the job's code is imported, not after it trained
+    # Bad storage is found before the job's code is imported, not after it trained. pyarrow is imported only
+    # for a job that needs it: `import raytf` and a spec error stay fast.
+    if check_storage and is_uri(job.output_where):
         from raytf.storage import Folder
 
         Folder(job.output_where, "output.dir").check_writable()
-    if job.checkpoint_dir is not None:
+    if check_storage and job.checkpoint_dir is not None:
         from raytf.checkpoint import Storage
 
         Storage(job.checkpoint_dir).check_writable()

@@ -29,15 +29,6 @@ EARLIER = "earlier-runs"  # an earlier run's results, moved aside (never deleted
 RESULTS = ("result.json", "model.keras", "saved_model", "tensorboard")
 
 
-def storage(job: Job) -> Folder:
-    """output.dir as a Folder; one on object storage is checked writable first (a SpecError naming the URI
-    and the fix: before any actor starts, not after the job trained)."""
-    folder = Folder(job.output_where, "output.dir")
-    if folder.remote:
-        folder.check_writable()
-    return folder
-
-
 def check(job: Job) -> Path:
     """output.dir (local) is a folder raytf may write, apart from the job's code and data; SpecError naming
     the problem otherwise. Returns it."""
