@@ -127,7 +127,7 @@ def test_a_run_that_fails_before_its_controller_writes_ends_failed_not_running(t
 
 
 def test_a_new_run_moves_an_earlier_runs_results_aside_in_the_bucket_and_keeps_its_checkpoints(s3):
-    from raytf.driver.output import move_earlier_remote
+    from raytf.driver.output import move_earlier
     from raytf.storage import Folder
 
     out = Folder(f"s3://{s3.bucket()}/runs/m")
@@ -135,12 +135,12 @@ def test_a_new_run_moves_an_earlier_runs_results_aside_in_the_bucket_and_keeps_i
     out.write_bytes("saved_model/variables/variables.index", b"index")
     out.write_bytes("checkpoints/ckpt-000000000044/raytf.json", b"{}")
 
-    moved = move_earlier_remote(out)
+    moved = move_earlier(out)
     assert moved == f"{out.where}/earlier-runs/20261205-020542"
     assert sorted(s3.files(out.where)) == ["checkpoints/ckpt-000000000044/raytf.json",
                                            "earlier-runs/20261205-020542/result.json",
                                            "earlier-runs/20261205-020542/saved_model/variables/variables.index"]
-    assert move_earlier_remote(out) is None  # nothing left to move
+    assert move_earlier(out) is None  # nothing left to move
 
 
 def test_an_attempt_that_never_wrote_its_end_is_marked_lost_and_only_a_finished_run_of_the_same_name_counts():

@@ -113,10 +113,8 @@ def claim(job: Job, resume: bool = False) -> Iterator[Path]:
             if any(entry.name != LOCK for entry in out.iterdir()):
                 ship(out, remote)  # an earlier run's results that never got there: now, or an error keeps them
             _empty(out)
-            if not resume:
-                move_earlier_remote(remote)
-        elif not resume:
-            move_earlier_results(out)
+        if not resume:
+            move_earlier(remote or Folder(str(out)))
         try:
             yield out
         except BaseException:
@@ -166,35 +164,27 @@ def _empty(folder: Path) -> None:
                 entry.unlink()
 
 
-def move_earlier_remote(remote: Folder) -> str | None:
-    """As move_earlier_results, in object storage: an earlier run's results go to earlier-runs/<when>/."""
-    found = [name for name in RESULTS if remote.exists(name)]
+def move_earlier(folder: Folder) -> str | None:
+    """An earlier run's results in output.dir, on a disk or in a bucket, go to earlier-runs/<when>/ (checkpoints
+    stay for --resume). Returns where they went."""
+    found = [name for name in RESULTS if folder.exists(name)]
     if not found:
         return None
-    previous = remote.read_json("result.json") or {}
-    started = ((previous.get("attempts") or [{}])[-1] or {}).get("started")
-    try:  # named as move_earlier_results names them: when that run started (now, if it does not say)
-        when = time.strftime("%Y%m%d-%H%M%S", time.strptime(str(started), "%Y-%m-%dT%H:%M:%S%z"))
-    except ValueError:
-        when = time.strftime("%Y%m%d-%H%M%S")
-    target = f"{EARLIER}/{when}"
-    while remote.exists(target):
+    target = f"{EARLIER}/{_earlier_when(folder, found[0])}"
+    while folder.exists(target):
         target += "-1"
     for name in found:
-        remote.move(name, f"{target}/{name}")
-    return remote.location(target)
+        folder.move(name, f"{target}/{name}")
+    return folder.location(target)
 
 
-def move_earlier_results(out: Path) -> Path | None:
-    """An earlier run's results in `out` go to earlier-runs/<its time>/ (checkpoints stay for --resume)."""
-    found = [name for name in RESULTS if (out / name).exists()]
-    if not found:
-        return None
-    when = time.strftime("%Y%m%d-%H%M%S", time.localtime((out / found[0]).stat().st_mtime))
-    target = out / EARLIER / when
-    while target.exists():
-        target = target.with_name(target.name + "-1")
-    target.mkdir(parents=True)
-    for name in found:
-        os.replace(out / name, target / name)
-    return target
+def _earlier_when(folder: Folder, first: str) -> str:
+    """The earlier run's time: on a disk, when its first result was written; in a bucket (where copying
+    and a store's clock make that less telling), when that run started, as its result.json says (now, if not)."""
+    if not folder.remote:
+        return time.strftime("%Y%m%d-%H%M%S", time.localtime(os.stat(folder.location(first)).st_mtime))
+    started = (((folder.read_json("result.json") or {}).get("attempts") or [{}])[-1] or {}).get("started")
+    try:
+        return time.strftime("%Y%m%d-%H%M%S", time.strptime(str(started), "%Y-%m-%dT%H:%M:%S%z"))
+    except ValueError:
+        return time.strftime("%Y%m%d-%H%M%S")
