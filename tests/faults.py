@@ -89,15 +89,18 @@ def rank_one_data(marker: str = "", delay_s: float = 0.0, stall_at: int | None =
 
 @contextlib.contextmanager
 def an_extra_node(cluster):
-    """A 1-CPU node added to the test cluster for the test, and a `kill` for Killer that removes it."""
+    """A 1-CPU node added to the test cluster for the test, and a `kill` for Killer that removes it as a
+    lost machine goes: at once, not gracefully. (A graceful removal lets that node's runtime-env agent
+    clean up on the way out, and the nodes of a local test cluster share one session folder: a restarted
+    task once found its working directory gone.)"""
     c, _ = cluster
     extra = c.add_node(num_cpus=1)
     c.wait_for_nodes()
     try:
-        yield extra, lambda actor: c.remove_node(extra)
+        yield extra, lambda actor: c.remove_node(extra, allow_graceful=False)
     finally:
         if extra in c.worker_nodes:
-            c.remove_node(extra)
+            c.remove_node(extra, allow_graceful=False)
 
 
 class AtSteps:
