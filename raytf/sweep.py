@@ -12,6 +12,9 @@ batch by the job's own rule), and how many trials the cluster holds at once. No 
       lr_scaling: {rule: linear, base_batch_size: 64}
       scheduler: {name: asha, grace_period: 1}
       max_concurrent_trials: auto
+
+With `search: {algorithm: optuna}` (or hyperopt) the points are not drawn here: Tune's searcher suggests
+each from the results so far (raytf.search), and each suggestion is checked as a job inside its trial.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import math
 import random
 from typing import Any, Callable, Literal, Mapping, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from raytf import learning_rate
 from raytf.errors import SpecError
@@ -56,6 +59,15 @@ class Dimension:
         if self.kind == "uniform":
             return rng.uniform(low, high)
         return math.exp(rng.uniform(math.log(low), math.log(high)))
+
+    def holds(self, value: Any) -> bool:
+        if self.kind in ("grid", "choice"):
+            return value in self.values
+        low, high = self.values
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value <= high
+
+    def describe(self) -> str:
+        return f"{self.kind}: {list(self.values)}"
 
 
 _FORMS = "{grid: [a, b, ...]}, {choice: [a, b, ...]}, {uniform: [low, high]} or {loguniform: [low, high]}"
@@ -92,6 +104,39 @@ class SchedulerSpec(_Strict):
     max_t: int | None = Field(default=None, ge=1)  # default: the most train.epochs of any trial
 
 
+# tune.search.algorithm: grid and random draw every point up front (grid dimensions crossed, random ones
+# drawn with tune.seed); the others are Tune's searchers, which suggest each point from the results so far.
+UP_FRONT = ("grid", "random")
+SEARCHERS = ("optuna", "hyperopt")
+# Tune has more searchers; these need what raytf does not have yet, or were never run here.
+NOT_YET = {"bohb": "it needs HyperBandForBOHB, which pauses and resumes trials; raytf's schedulers only stop them",
+           "bayesopt": "never run with raytf's trials", "ax": "never run with raytf's trials",
+           "nevergrad": "never run with raytf's trials", "hebo": "never run with raytf's trials",
+           "zoopt": "never run with raytf's trials"}
+
+
+class SearchSpec(_Strict):
+    algorithm: str = "grid"  # grid | random (every point drawn up front) | optuna | hyperopt (each suggested from the results so far)
+    # Points the searcher tries first, each a mapping of every space key to a value: a known-good
+    # configuration, or one to compare against.
+    points_to_evaluate: list[dict[str, Any]] = Field(default_factory=list)
+
+    @field_validator("algorithm")
+    @classmethod
+    def _known_algorithm(cls, value: str) -> str:
+        if value in UP_FRONT or value in SEARCHERS:
+            return value
+        if value in NOT_YET:
+            raise ValueError(f"{value!r} is not supported yet ({NOT_YET[value]}); use one of "
+                             f"{', '.join(UP_FRONT + SEARCHERS)}")
+        raise ValueError(f"{value!r} is not a search algorithm; use one of {', '.join(UP_FRONT + SEARCHERS)}")
+
+    @property
+    def suggests(self) -> bool:
+        """Tune's searcher suggests each point from the results so far (not drawn up front)."""
+        return self.algorithm in SEARCHERS
+
+
 class TuneSection(_Strict):
     metric: str
     mode: Literal["min", "max"]
@@ -100,7 +145,8 @@ class TuneSection(_Strict):
     lr_scaling: LrScaling = LrScaling()
     scheduler: SchedulerSpec | None = None
     max_concurrent_trials: Union[Literal["auto"], int] = "auto"
-    seed: int = 0  # for the random dimensions
+    seed: int = 0  # for the random dimensions, and a searcher's own generator
+    search: SearchSpec = SearchSpec()
 
     model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
 
@@ -115,6 +161,33 @@ class TuneSection(_Strict):
                 raise ValueError(f"{key}: set by the sweep for every trial; it cannot be a dimension")
             out[str(key)] = value if isinstance(value, Dimension) else parse_dimension(key, value)
         return out
+
+    @model_validator(mode="after")
+    def _search_fits_the_space(self) -> "TuneSection":
+        search = self.search
+        if search.suggests:
+            if not self.space:
+                raise ValueError(f"search.algorithm: {search.algorithm} needs a space to search; add tune.space")
+            for key, dim in self.space.items():
+                if dim.kind == "grid":
+                    raise ValueError(f"space.{key}: a grid is crossed up front; with search {search.algorithm} "
+                                     f"write {{choice: {list(dim.values)}}}")
+        elif search.points_to_evaluate:
+            raise ValueError(f"search.points_to_evaluate: tried first by a searcher ({', '.join(SEARCHERS)}); "
+                             f"with {search.algorithm}, put the values in the space's grid")
+        for i, point in enumerate(search.points_to_evaluate):
+            missing = [k for k in self.space if k not in point]
+            unknown = [k for k in point if k not in self.space]
+            if missing or unknown:
+                raise ValueError(f"search.points_to_evaluate[{i}]: " + "; ".join(
+                    ([f"missing {', '.join(missing)}"] if missing else [])
+                    + ([f"{', '.join(unknown)} not in tune.space"] if unknown else []))
+                    + f"; give a value for each of {', '.join(self.space)}")
+            for key, value in point.items():
+                if not self.space[key].holds(value):
+                    raise ValueError(f"search.points_to_evaluate[{i}]: {key}: {value!r} is outside the space "
+                                     f"({self.space[key].describe()})")
+        return self
 
     @field_validator("max_concurrent_trials", mode="before")
     @classmethod
@@ -152,8 +225,10 @@ def parse_tune(raw: Any, source: str = "sweep") -> TuneSection:
                 lines.append(f"{where}: missing; add it to the tune section")
             elif err["type"] == "value_error":
                 msg = err["msg"].removeprefix("Value error, ")
-                # A dimension's error starts with its spec key: tune.space.<key>: ...
-                lines.append(f"{where}.{msg}" if where == "tune.space" and not msg.startswith("expected") else f"{where}: {msg}")
+                # A dimension's error starts with its spec key (tune.space.<key>: ...); a check across keys
+                # starts with the key it names (tune.search...: ...)
+                joined = where in ("tune.space", "tune") and not msg.startswith("expected")
+                lines.append(f"{where}.{msg}" if joined else f"{where}: {msg}")
             elif err["type"] == "literal_error":
                 lines.append(f"{where}: {err['input']!r} is not one of {err['ctx']['expected']}")
             else:

@@ -15,6 +15,7 @@ import yaml
 from raytf.job import apply_overrides
 
 COMPLETED, STOPPED, ERROR, UNFINISHED = "completed", "stopped early", "error", "unfinished"
+UNRUNNABLE = "unrunnable"  # a searcher's suggestion that is no job (its trial failed at once, the searcher told)
 
 
 @dataclasses.dataclass
@@ -36,6 +37,8 @@ class SweepResult:
     utilization: float | None = None  # busy CPU-seconds (trial time x reserved CPUs) / available CPU-seconds
     interrupted: bool = False  # trials left unfinished: `--resume` continues them
     best_exports: dict[str, str] = dataclasses.field(default_factory=dict)  # the best trial's, format -> path
+    # tune.search.algorithm, and the search's path: each trial's metric in trial order, with the best so far
+    search: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -48,6 +51,18 @@ def trial_status(tune_status: str, epochs: int, planned_epochs: int) -> str:
     if tune_status == "TERMINATED":
         return COMPLETED if epochs >= planned_epochs else STOPPED
     return UNFINISHED
+
+
+def search_path(rows: list[dict[str, Any]], mode: str) -> list[dict[str, Any]]:
+    """The search as it went: trial by trial (rows in trial order), its last reported metric (None for one
+    that reported nothing) and the best any trial had reached by then."""
+    path, best = [], None
+    for r in rows:
+        value = r["final"] if r["final"] is not None and math.isfinite(r["final"]) else None
+        if value is not None:
+            best = value if best is None else (min(best, value) if mode == "min" else max(best, value))
+        path.append({"point": r["point"], "status": r["status"], "value": value, "best_so_far": best})
+    return path
 
 
 def best_of(values: list[float], mode: str) -> float | None:
@@ -113,8 +128,10 @@ def write_json(path: Path, data: Any) -> Path:
 
 
 def plot(rows: list[dict[str, Any]], metric: str, mode: str, path: Path, title: str) -> Path | None:
-    """The final metric of each trial over global batch size (x, log2) and learning rate (y, log): one dot
-    per trial, coloured and labelled by its value; early-stopped trials hollow, the best one starred."""
+    """Two panels. Left: the final metric of each trial over global batch size (x, log2) and learning rate
+    (y, log): one dot per trial, coloured and labelled by its value; early-stopped trials hollow, the best
+    one starred. Right: the search's path, each trial's metric in trial order and the best so far, with the
+    trials that could not run or failed marked on the axis."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; no display
@@ -122,7 +139,8 @@ def plot(rows: list[dict[str, Any]], metric: str, mode: str, path: Path, title: 
 
     shown = [r for r in rows if r["final"] is not None and math.isfinite(r["final"])
              and r["global_batch_size"] and r["learning_rate"]]
-    fig, ax = plt.subplots(figsize=(6.4, 4.8), dpi=110)
+    fig, (ax, path_ax) = plt.subplots(1, 2, figsize=(12.0, 4.8), dpi=110)
+    _plot_path(path_ax, search_path(rows, mode), metric)
     best = best_row(rows, mode)
     if shown:
         xs = [r["global_batch_size"] for r in shown]
@@ -154,9 +172,30 @@ def plot(rows: list[dict[str, Any]], metric: str, mode: str, path: Path, title: 
         ax.text(0.5, 0.5, "no trial reported the metric", ha="center", va="center", transform=ax.transAxes)
     ax.set_xlabel("global batch size")
     ax.set_ylabel("learning rate (as trained)")
-    ax.set_title(title, fontsize=10)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def _plot_path(ax, path: list[dict[str, Any]], metric: str) -> None:
+    order = list(range(1, len(path) + 1))
+    reported = [(i, p["value"]) for i, p in zip(order, path) if p["value"] is not None]
+    if reported:
+        ax.scatter([i for i, _ in reported], [v for _, v in reported], s=30, c="tab:blue", label=f"trial's {metric}")
+        best = [(i, p["best_so_far"]) for i, p in zip(order, path) if p["best_so_far"] is not None]
+        ax.step([i for i, _ in best], [v for _, v in best], where="post", c="tab:red", label="best so far")
+    failed = [i for i, p in zip(order, path) if p["status"] in (UNRUNNABLE, ERROR)]
+    if failed:
+        low = ax.get_ylim()[0] if reported else 0
+        ax.scatter(failed, [low] * len(failed), marker="x", c="gray", label="could not run / failed")
+    if path:
+        ax.legend(loc="best", fontsize=8)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("trial (in the order they were started)")
+    ax.set_ylabel(metric)
+    ax.set_title("the search's path", fontsize=9)

@@ -2,7 +2,10 @@
 
     raytf tune sweep.yaml      (or raytf.tune("sweep.yaml"))
       prepare     sweep file -> base job + tune section; every point expanded and loaded as a job (imports,
-                  data, divisibility) before Ray is touched: a bad point is an error naming it
+                  data, divisibility) before Ray is touched: a bad point is an error naming it. With a
+                  searcher (tune.search.algorithm optuna|hyperopt) only the base job is checked here: each
+                  suggested point is checked inside its trial, and one that cannot run fails that trial
+                  (UnrunnablePoint), which Tune tells the searcher
       run         the job folder uploaded once; max_concurrent_trials from the cluster's nodes; one Tune
                   trial per point, its placement group [{CPU: 0}, *worker bundles] (Tune drops the empty
                   head bundle, so the worker bundles keep indexes 0..n-1, as controller.run expects)
@@ -15,7 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -23,7 +28,7 @@ from typing import Any, Mapping
 
 from raytf import job as job_lib
 from raytf import job_code
-from raytf import learning_rate, sweep, sweep_report
+from raytf import learning_rate, search, sweep, sweep_report
 from raytf.driver import packaging, placement
 from raytf.driver.report import ProgressDisplay
 from raytf.errors import PlacementTimeout, SpecError
@@ -37,6 +42,49 @@ POINTS_FILE = "points.json"
 BEST_SPEC = "best.yaml"  # the best trial as a job spec, in output.dir
 
 
+class UnrunnablePoint(SpecError):
+    """A point suggested by a searcher that cannot run as a job: its trial fails with the reason."""
+
+
+def trial_overrides(base: Job, pid: str, point_overrides: dict[str, Any]) -> dict[str, Any]:
+    """A point's job: its values, its own name and output.dir (and checkpoint.dir: trials never share one)."""
+    out = {**point_overrides, "name": f"{base.spec.name}-{pid}", "output.dir": f"{base.output_where}/trials/{pid}"}
+    if base.checkpoint_dir is not None:
+        out["checkpoint.dir"] = f"{base.checkpoint_dir.rstrip('/')}/{pid}"
+    return out
+
+
+@dataclasses.dataclass
+class Suggested:
+    """What turns a searcher's suggestion (a trial config: spec key -> value) into a job. Picklable: Tune's
+    trial actors build their job from it; the driver uses it to size the trial and to read its results."""
+
+    base: Job
+    section: sweep.TuneSection
+    source: str
+    nodes: list[dict[str, float]]  # the cluster's resources, node by node, when the sweep started
+
+    def point(self, pid: str, config: Mapping[str, Any]) -> sweep.Point:
+        values = {k: config[k] for k in self.section.space if k in config}
+        return sweep.Point(pid, values, sweep.point_overrides(values, self.base.spec, self.section, 0))
+
+    def job(self, point: sweep.Point, check_storage: bool = True) -> Job:
+        """The point's job, or UnrunnablePoint with the reason (a spec that does not hold, or a trial no
+        set of the cluster's nodes can hold)."""
+        try:
+            job = job_lib.load(self.base, trial_overrides(self.base, point.id, point.overrides),
+                               check_code=False, check_storage=check_storage)
+        except SpecError as exc:
+            reason = str(exc).removeprefix(f"{self.source}: ")
+            raise UnrunnablePoint(f"point {point.id} {point.describe()} cannot run: {reason}") from None
+        bundles, strategy = trial_bundles(job.spec), job.spec.cluster.effective_placement
+        if sweep.trials_that_fit(self.nodes, bundles, strategy, limit=1) == 0:
+            have = placement.total([{k: v for k, v in n.items() if k in ("CPU", "GPU")} for n in self.nodes])
+            raise UnrunnablePoint(f"point {point.id} {point.describe()} cannot run: it asks for {len(bundles)} "
+                                  f"bundles of {bundles[0]} ({strategy}); the cluster has {have}")
+        return job
+
+
 @dataclasses.dataclass
 class PreparedSweep:
     """A validated sweep: the base job, the tune section and one loaded Job per point."""
@@ -45,9 +93,17 @@ class PreparedSweep:
     job_raw: dict[str, Any]  # the sweep file's job part (overrides applied), for the best spec
     base: Job
     section: sweep.TuneSection
-    points: list[sweep.Point]
+    points: list[sweep.Point]  # drawn up front (none when a searcher suggests them)
     jobs: dict[str, Job]  # point id -> its job (output.dir <sweep output>/trials/<point id>)
     rejected: list[dict[str, Any]]
+
+    @property
+    def suggests(self) -> bool:
+        return self.section.search.suggests
+
+    @property
+    def num_trials(self) -> int:
+        return self.section.num_samples if self.suggests else len(self.points)
 
     @property
     def output_dir(self) -> Path:
@@ -78,7 +134,12 @@ class PreparedSweep:
     def max_t(self) -> int:
         """The scheduler's last rung, in epochs: given, or the most train.epochs of any trial."""
         given = self.section.scheduler.max_t if self.section.scheduler else None
-        return given or max(j.spec.train.epochs for j in self.jobs.values())
+        if given:
+            return given
+        if self.suggests:
+            dim = self.section.space.get("train.epochs")
+            return int(max(dim.values)) if dim is not None else self.base.spec.train.epochs
+        return max(j.spec.train.epochs for j in self.jobs.values())
 
     @property
     def best_spec_path(self) -> Path:
@@ -103,19 +164,24 @@ def prepare(source: "str | Path | Mapping[str, Any]", overrides: Mapping[str, An
     base_spec = job_lib.parse(job_raw, name)
     sweep.check_metric(section, base_spec, name)
     base = Job(spec=base_spec, job_dir=job_lib.job_folder(base_spec, start, name), source=name)
-    out = base.output_where
     jobs: dict[str, Job] = {}
 
     def check(pid: str, point_overrides: dict[str, Any]) -> JobSpec:
-        trial = {**point_overrides, "name": f"{base_spec.name}-{pid}", "output.dir": f"{out}/trials/{pid}"}
-        if base.checkpoint_dir is not None:  # trials must not share checkpoints
-            trial["checkpoint.dir"] = f"{base.checkpoint_dir.rstrip('/')}/{pid}"
         try:  # the code is imported once every point has passed the checks that need no TensorFlow
-            jobs[pid] = job_lib.load(base, trial, check_code=False)
+            jobs[pid] = job_lib.load(base, trial_overrides(base, pid, point_overrides), check_code=False)
             return jobs[pid].spec
         except SpecError as exc:
             raise SpecError(str(exc).removeprefix(f"{name}: ")) from None
 
+    if section.search.suggests:  # only the base job is checked now; each suggestion in its trial
+        try:  # (an override, or load hands the unchecked base back)
+            search.check_installed(section)
+            job_lib.load(base, {"name": base_spec.name})
+        except SpecError as exc:
+            raise SpecError(f"{name}: {str(exc).removeprefix(f'{name}: ')}") from None
+        prepared = PreparedSweep(name, job_raw, base, section, [], {}, [])
+        _check_grace_period(prepared)
+        return prepared
     try:
         points, rejected = sweep.expand(section, base_spec, check)
         for point in points:
@@ -126,19 +192,27 @@ def prepare(source: "str | Path | Mapping[str, Any]", overrides: Mapping[str, An
     except SpecError as exc:
         raise SpecError(f"{name}: {exc}") from None
     prepared = PreparedSweep(name, job_raw, base, section, points, {p.id: jobs[p.id] for p in points}, rejected)
-    if section.scheduler is not None and section.scheduler.grace_period > prepared.max_t:
-        raise SpecError(f"{name}: tune.scheduler.grace_period {section.scheduler.grace_period} is more than "
-                        f"max_t {prepared.max_t} (epochs); lower grace_period or raise train.epochs")
+    _check_grace_period(prepared)
     return prepared
+
+
+def _check_grace_period(prepared: PreparedSweep) -> None:
+    scheduler = prepared.section.scheduler
+    if scheduler is not None and scheduler.grace_period > prepared.max_t:
+        raise SpecError(f"{prepared.source}: tune.scheduler.grace_period {scheduler.grace_period} is more than "
+                        f"max_t {prepared.max_t} (epochs); lower grace_period or raise train.epochs")
 
 
 def concurrency(prepared: PreparedSweep, nodes: list[Mapping[str, float]]) -> int:
     """tune.max_concurrent_trials as a number: given, or (auto) what the nodes hold of the largest trial."""
     wanted = prepared.section.max_concurrent_trials
     if wanted != "auto":
-        return min(wanted, len(prepared.points))
-    shapes = [(trial_bundles(j.spec), j.spec.cluster.effective_placement) for j in prepared.jobs.values()]
-    fit = sweep.auto_concurrency(nodes, shapes, len(prepared.points))
+        return min(wanted, prepared.num_trials)
+    # A searcher's points are not known yet: sized for the base job's shape (one whose suggestion asks for
+    # more waits for it, or fails as unrunnable when no set of nodes holds it).
+    jobs = [prepared.base] if prepared.suggests else prepared.jobs.values()
+    shapes = [(trial_bundles(j.spec), j.spec.cluster.effective_placement) for j in jobs]
+    fit = sweep.auto_concurrency(nodes, shapes, prepared.num_trials)
     if fit == 0:
         bundles, strategy = next(s for s in shapes if sweep.trials_that_fit(nodes, s[0], s[1], limit=1) == 0)
         have = placement.total([{k: v for k, v in n.items() if k in ("CPU", "GPU")} for n in nodes])
@@ -153,8 +227,10 @@ def concurrency(prepared: PreparedSweep, nodes: list[Mapping[str, float]]) -> in
 # ---------------------------------------------------------------- inside a trial (a Tune actor)
 
 
-def _run_trial(config: dict[str, Any], jobs: dict[str, Job], code_env: dict[str, Any]) -> None:
-    """One trial: the point's job on the trial's placement group, each epoch reported to Tune.
+def _run_trial(config: dict[str, Any], jobs: dict[str, Job], code_env: dict[str, Any],
+               suggested: Suggested | None = None) -> None:
+    """One trial: the point's job on the trial's placement group, each epoch reported to Tune. A suggested
+    point's job is built here; one that cannot run raises UnrunnablePoint, failing the trial at once.
 
     The last epoch is reported only once the model is written: a scheduler stops a trial when it reaches
     max_t, and a stop ends this actor (and, with it, the raytf actors it owns) at once."""
@@ -164,7 +240,11 @@ def _run_trial(config: dict[str, Any], jobs: dict[str, Job], code_env: dict[str,
     from raytf.checkpoint import Storage
     from raytf.driver import controller, output
 
-    job = jobs[config["point"]]
+    if suggested is None:
+        job = jobs[config["point"]]
+    else:
+        pid = tune.get_context().get_trial_name().split("_", 1)[0]  # as _trial_name made it
+        job = suggested.job(suggested.point(pid, config))
     last_epoch = job.spec.train.epochs
     held: list[dict[str, Any]] = []
 
@@ -185,11 +265,31 @@ def _run_trial(config: dict[str, Any], jobs: dict[str, Job], code_env: dict[str,
         tune.report(metrics)
 
 
-def _trial_name(trial) -> str:
-    return f"{trial.config['point']}_{trial.trial_id}"
+def point_of(trial, num_samples: int) -> str:
+    """The point id of a Tune trial: given in its config (grid, random), or its place in the order a searcher
+    suggested it (num_samples sets the width: t00, t01, ...)."""
+    return trial.config.get("point") or search.point_id(trial.experiment_tag, num_samples)
 
 
-def _progress_callback(quiet: bool, descriptions: dict[str, str], metric: str, epochs: dict[str, int]):
+def _trial_name(trial, num_samples: int = 1) -> str:
+    return f"{point_of(trial, num_samples)}_{trial.trial_id}"
+
+
+def _suggested_resources(suggested: Suggested, config: Mapping[str, Any]):
+    """A suggested trial's placement group, sized from its point; a point that cannot run gets a sliver of
+    a CPU, enough to start the trial that fails with the reason (so the searcher is told)."""
+    from ray import tune
+
+    try:
+        job = suggested.job(suggested.point("t", config), check_storage=False)
+    except UnrunnablePoint:
+        return tune.PlacementGroupFactory([{"CPU": 0.01}])
+    return tune.PlacementGroupFactory([{"CPU": 0}, *trial_bundles(job.spec)],
+                                      strategy=job.spec.cluster.effective_placement.upper())
+
+
+def _progress_callback(quiet: bool, descriptions: dict[str, str], metric: str, epochs: dict[str, int],
+                       num_samples: int, suggested: Suggested | None):
     from ray.tune import Callback
 
     class Progress(Callback):
@@ -198,6 +298,7 @@ def _progress_callback(quiet: bool, descriptions: dict[str, str], metric: str, e
 
         def __init__(self):
             self.quiet, self.descriptions, self.metric, self.epochs = quiet, descriptions, metric, epochs
+            self.num_samples, self.suggested = num_samples, suggested
             self._display = None
 
         def __getstate__(self):
@@ -212,21 +313,30 @@ def _progress_callback(quiet: bool, descriptions: dict[str, str], metric: str, e
             self._display.message(text)
 
         def on_trial_start(self, iteration, trials, trial, **info):
-            pid = trial.config["point"]
-            self._say(f"raytf: {pid} started: {self.descriptions.get(pid, '')}")
+            pid = point_of(trial, self.num_samples)
+            described = self.descriptions.get(pid) or sweep.Point(pid, {k: v for k, v in trial.config.items()
+                                                                        if k != "point"}, {}).describe()
+            self._say(f"raytf: {pid} started: {described}")
 
         def on_trial_result(self, iteration, trials, trial, result, **info):
-            pid = trial.config["point"]
+            pid = point_of(trial, self.num_samples)
             value = result.get(self.metric)
             shown = f"{value:.4f}" if isinstance(value, float) else str(value)
             self._say(f"raytf: {pid} epoch {result.get('epoch', result.get('training_iteration'))}/"
-                      f"{self.epochs.get(pid, '?')}: {self.metric} {shown}")
+                      f"{self.epochs.get(pid, self.epochs.get('*', '?'))}: {self.metric} {shown}")
 
         def on_trial_complete(self, iteration, trials, trial, **info):
-            self._say(f"raytf: {trial.config['point']} ended")
+            self._say(f"raytf: {point_of(trial, self.num_samples)} ended")
 
         def on_trial_error(self, iteration, trials, trial, **info):
-            self._say(f"raytf: {trial.config['point']} failed (see the table at the end)")
+            pid = point_of(trial, self.num_samples)
+            if self.suggested is not None:
+                try:
+                    self.suggested.job(self.suggested.point(pid, trial.config), check_storage=False)
+                except UnrunnablePoint as exc:  # "point t03 {...} cannot run: <why>"
+                    self._say(f"raytf: {exc}")
+                    return
+            self._say(f"raytf: {pid} failed (see the table at the end)")
 
     return Progress()
 
@@ -250,7 +360,9 @@ def run(prepared: PreparedSweep, display: ProgressDisplay | None = None, resume:
     restoring = _check_state(prepared, resume, experiment, display)
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
     limit = concurrency(prepared, nodes)
-    display.message(f"raytf: sweep {prepared.base.spec.name}: {len(prepared.points)} trials, up to {limit} at once"
+    section = prepared.section
+    how = f" suggested by {section.search.algorithm}" if prepared.suggests else ""
+    display.message(f"raytf: sweep {prepared.base.spec.name}: {prepared.num_trials} trials{how}, up to {limit} at once"
                     + (f" ({len(prepared.rejected)} random draws rejected)" if prepared.rejected else "")
                     + f"; output {where}")
     packaging.mark_output(out)  # a later job in the same job folder leaves the sweep's outputs out
@@ -258,12 +370,17 @@ def run(prepared: PreparedSweep, display: ProgressDisplay | None = None, resume:
 
     code_env = packaging.upload_code(packaging.runtime_env(prepared.base), verbose=verbose, note=display.message)
     _unpack_everywhere(code_env, display)
-    factories = {pid: tune.PlacementGroupFactory([{"CPU": 0}, *trial_bundles(job.spec)],
-                                                 strategy=job.spec.cluster.effective_placement.upper())
-                 for pid, job in prepared.jobs.items()}
-    trainable = tune.with_resources(tune.with_parameters(_run_trial, jobs=prepared.jobs, code_env=code_env),
-                                    resources=lambda config: factories[config["point"]])
-    section = prepared.section
+    suggested = Suggested(prepared.base, section, prepared.source, [dict(n) for n in nodes]) \
+        if prepared.suggests else None
+    if suggested is None:
+        factories = {pid: tune.PlacementGroupFactory([{"CPU": 0}, *trial_bundles(job.spec)],
+                                                     strategy=job.spec.cluster.effective_placement.upper())
+                     for pid, job in prepared.jobs.items()}
+        resources = lambda config: factories[config["point"]]  # noqa: E731
+    else:
+        resources = lambda config: _suggested_resources(suggested, config)  # noqa: E731
+    trainable = tune.with_resources(tune.with_parameters(_run_trial, jobs=prepared.jobs, code_env=code_env,
+                                                         suggested=suggested), resources=resources)
     started = time.time()
     if restoring:
         display.message(f"raytf: resuming the sweep in {experiment}")
@@ -275,23 +392,30 @@ def run(prepared: PreparedSweep, display: ProgressDisplay | None = None, resume:
             scheduler = ASHAScheduler(time_attr="training_iteration", grace_period=s.grace_period,
                                       reduction_factor=s.reduction_factor, max_t=prepared.max_t)
         descriptions = {p.id: p.describe() for p in prepared.points}
-        epochs = {pid: j.spec.train.epochs for pid, j in prepared.jobs.items()}
+        epochs = {pid: j.spec.train.epochs for pid, j in prepared.jobs.items()} or {"*": prepared.max_t}
+        trial_name = functools.partial(_trial_name, num_samples=section.num_samples)
+        if suggested is None:  # Tune runs the points drawn up front, one trial each
+            param_space, search_alg, num_samples = {"point": tune.grid_search([p.id for p in prepared.points])}, None, 1
+        else:
+            param_space, search_alg, num_samples = search.param_space(section), search.searcher(section), section.num_samples
         tuner = tune.Tuner(
             trainable,
-            param_space={"point": tune.grid_search([p.id for p in prepared.points])},
+            param_space=param_space,
             tune_config=tune.TuneConfig(metric=section.metric, mode=section.mode, scheduler=scheduler,
-                                        max_concurrent_trials=limit, trial_name_creator=_trial_name,
-                                        trial_dirname_creator=_trial_name),
+                                        search_alg=search_alg, num_samples=num_samples,
+                                        max_concurrent_trials=limit, trial_name_creator=trial_name,
+                                        trial_dirname_creator=trial_name),
             run_config=tune.RunConfig(name=EXPERIMENT, storage_path=where, verbose=0,
-                                      callbacks=[_progress_callback(display.quiet, descriptions,
-                                                                    section.metric, epochs)]),
+                                      callbacks=[_progress_callback(display.quiet, descriptions, section.metric,
+                                                                    epochs, section.num_samples, suggested)]),
         )
     finished = False
     try:
         with _quiet_tune_console():
             tuner.fit()
         wall = time.time() - started
-        result = _collect(prepared, experiment, limit, started, wall, float(ray.cluster_resources().get("CPU", 0)))
+        result = _collect(prepared, experiment, limit, started, wall, float(ray.cluster_resources().get("CPU", 0)),
+                          suggested)
         finished = True
         return result
     finally:
@@ -323,15 +447,30 @@ def _unpack_everywhere(code_env: dict[str, Any], display: ProgressDisplay, timeo
                         f"trials will unpack it as they start")
 
 
+class _NoRepeats(logging.Filter):
+    """A point that cannot run is one line of raytf's, not Tune's 40-line traceback; and the trials that did
+    not complete are in raytf's table, not in one more ERROR line of Tune's."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        text = f"{record.getMessage()} {exc!r}"
+        return "UnrunnablePoint" not in text and not text.startswith("Trials did not complete")
+
+
 @contextlib.contextmanager
 def _quiet_tune_console():
     """Tune's console tables give way to raytf's one line per trial event: with RAY_AIR_NEW_OUTPUT=0 and
     verbose=0 Tune prints nothing (its new output still prints a banner at verbose=0)."""
     before = os.environ.get("RAY_AIR_NEW_OUTPUT")
     os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
+    loggers, no_repeats = [logging.getLogger("ray.tune.execution.tune_controller"), logging.getLogger("ray.tune.tune")], _NoRepeats()
+    for log in loggers:
+        log.addFilter(no_repeats)
     try:
         yield
     finally:
+        for log in loggers:
+            log.removeFilter(no_repeats)
         if before is None:
             os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
         else:
@@ -339,7 +478,15 @@ def _quiet_tune_console():
 
 
 def _points_state(prepared: PreparedSweep) -> list[dict[str, Any]]:
-    return json.loads(json.dumps([{"id": p.id, "values": p.values, "overrides": p.overrides} for p in prepared.points]))
+    """What a resume must find unchanged: the points drawn up front, or what the searcher searches."""
+    if prepared.suggests:
+        s = prepared.section
+        state = [{"id": "search", "values": {"algorithm": s.search.algorithm, "seed": s.seed, "num_samples": s.num_samples,
+                                             "space": {k: d.describe() for k, d in s.space.items()},
+                                             "points_to_evaluate": s.search.points_to_evaluate}}]
+    else:
+        state = [{"id": p.id, "values": p.values, "overrides": p.overrides} for p in prepared.points]
+    return json.loads(json.dumps(state))
 
 
 def _check_state(prepared: PreparedSweep, resume: bool, experiment: str, display: ProgressDisplay) -> bool:
@@ -367,41 +514,58 @@ def _check_state(prepared: PreparedSweep, resume: bool, experiment: str, display
     return True
 
 
+def _trial_point(prepared: PreparedSweep, suggested: Suggested | None, trial) -> tuple[sweep.Point, Job | None, str | None]:
+    """A Tune trial's point, its job, and why it could not run (a suggested point only)."""
+    pid = point_of(trial, prepared.section.num_samples)
+    if suggested is None:
+        return next(p for p in prepared.points if p.id == pid), prepared.jobs[pid], None
+    point = suggested.point(pid, trial.config)
+    try:
+        job = suggested.job(point, check_storage=False)
+        return dataclasses.replace(point, learning_rate=learning_rate.peak(job.spec)), job, None
+    except UnrunnablePoint as exc:
+        return point, None, str(exc)
+
+
 def _collect(prepared: PreparedSweep, experiment: str, limit: int, started: float, wall: float,
-             cluster_cpus: float) -> SweepResult:
+             cluster_cpus: float, suggested: Suggested | None = None) -> SweepResult:
     """Rows from Tune's stored trials and raytf's result.json files; then every output of the sweep."""
     from ray.tune import ExperimentAnalysis
 
     section = prepared.section
     analysis = ExperimentAnalysis(experiment, default_metric=section.metric, default_mode=section.mode)
-    by_point = {p.id: p for p in prepared.points}
+    by_point = {}
     rows = []
     for trial in analysis.trials:
-        pid = trial.config["point"]
-        point, job = by_point[pid], prepared.jobs[pid]
+        point, job, unrunnable = _trial_point(prepared, suggested, trial)
+        by_point[point.id] = point
         frame = analysis.trial_dataframes.get(trial.trial_id)
         history = _history(frame, section.metric)
         last = trial.last_result or {}
         epochs = int(last.get("epoch", len(history)) or 0)
-        saved = Folder(job.output_where, "output.dir").read_json("result.json") or {}
+        spec = job.spec if job is not None else None
+        saved = Folder(job.output_where, "output.dir").read_json("result.json") or {} if job is not None else {}
         rows.append({
-            "point": pid, "trial_id": trial.trial_id,
-            "status": sweep_report.trial_status(trial.status, epochs, job.spec.train.epochs),
+            "point": point.id, "trial_id": trial.trial_id,
+            "status": sweep_report.UNRUNNABLE if unrunnable else
+            sweep_report.trial_status(trial.status, epochs, spec.train.epochs),
             "config": point.values,
-            "global_batch_size": job.spec.train.global_batch_size,
-            "learning_rate": learning_rate.peak(job.spec),
-            "workers": job.spec.cluster.workers,
+            "global_batch_size": point.values.get("train.global_batch_size",
+                                                  prepared.base.spec.train.global_batch_size) if spec is None
+            else spec.train.global_batch_size,
+            "learning_rate": learning_rate.peak(spec) if spec is not None else None,
+            "workers": (spec or prepared.base.spec).cluster.workers,
             "final": history[-1] if history else None,
             "best": sweep_report.best_of(history, section.mode),
             "history": history,
             "epochs": epochs,
             "time_s": last.get("time_total_s"),
             "reported_at": last.get("timestamp"),  # the last report, seconds since the epoch
-            "cpus": sum(b.get("CPU", 0) for b in trial_bundles(job.spec)),
-            "output_dir": job.output_where,
+            "cpus": sum(b.get("CPU", 0) for b in trial_bundles(spec)) if spec is not None else 0,
+            "output_dir": job.output_where if job is not None else None,
             "model_path": saved.get("model_path"),
             "exports": saved.get("exports", {}),
-            "error": _error_line(trial) if trial.status == "ERROR" else None,
+            "error": unrunnable or (_error_line(trial) if trial.status == "ERROR" else None),
         })
     rows.sort(key=lambda r: r["point"])
     best = sweep_report.best_row(rows, section.mode)
@@ -442,7 +606,8 @@ def _collect(prepared: PreparedSweep, experiment: str, limit: int, started: floa
         table=text_table,
         max_concurrent_trials=limit, rejected=prepared.rejected, wall_s=round(wall, 3),
         utilization=None if utilization is None else round(utilization, 4),
-        interrupted=any(r["status"] == sweep_report.UNFINISHED for r in rows) or len(rows) < len(prepared.points))
+        interrupted=any(r["status"] == sweep_report.UNFINISHED for r in rows) or len(rows) < prepared.num_trials,
+        search={"algorithm": section.search.algorithm, "path": sweep_report.search_path(rows, section.mode)})
     sweep_report.write_json(out / "sweep.json", result.to_dict())
     return result
 

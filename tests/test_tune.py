@@ -162,6 +162,80 @@ def test_status_and_best_row():
     assert sweep_report.best_of([0.3, math.nan, 0.1, 0.2], "min") == 0.1
 
 
+SEARCH_SPACE = {"optimizer.learning_rate": {"loguniform": [0.001, 0.1]}, "train.global_batch_size": {"choice": [63, 64]}}
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("tune_fields, expected", [
+    ({"search": {"algorithm": "bohb"}}, "'bohb' is not supported yet (it needs HyperBandForBOHB"),
+    ({"search": {"algorithm": "tpe"}}, "'tpe' is not a search algorithm; use one of grid, random, optuna, hyperopt"),
+    ({"search": {"algorithm": "optuna"}, "space": {"train.global_batch_size": {"grid": [32, 64]}}},
+     "tune.space.train.global_batch_size: a grid is crossed up front; with search optuna write {choice: [32, 64]}"),
+    ({"search": {"algorithm": "optuna", "points_to_evaluate": [{"optimizer.learning_rate": 0.5}]}, "space": SEARCH_SPACE},
+     "tune.search.points_to_evaluate[0]: missing train.global_batch_size; give a value for each of"),
+    ({"search": {"algorithm": "optuna", "points_to_evaluate": [{"optimizer.learning_rate": 0.5,
+                                                                 "train.global_batch_size": 64}]}, "space": SEARCH_SPACE},
+     "tune.search.points_to_evaluate[0]: optimizer.learning_rate: 0.5 is outside the space (loguniform: [0.001, 0.1])"),
+    ({"search": {"algorithm": "grid", "points_to_evaluate": [{"optimizer.learning_rate": 0.01}]}},
+     "tune.search.points_to_evaluate: tried first by a searcher (optuna, hyperopt); with grid, put the values"),
+])
+def test_bad_search_sections_name_the_key_and_the_fix(tune_fields, expected):
+    with pytest.raises(SpecError) as info:
+        section(**tune_fields)
+    assert expected in str(info.value)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("algorithm", ["optuna", "hyperopt"])
+def test_a_searcher_tries_the_given_points_first_then_draws_inside_the_space(algorithm):
+    from raytf import search
+
+    first = {"optimizer.learning_rate": 0.003, "train.global_batch_size": 63}
+    s = section(space=SEARCH_SPACE, seed=3, search={"algorithm": algorithm, "points_to_evaluate": [first]})
+    searcher = search.searcher(s)
+    searcher.set_search_properties(s.metric, s.mode, search.param_space(s))
+    suggested = [searcher.suggest(f"trial{i}") for i in range(6)]
+    assert {k: suggested[0][k] for k in first} == first
+    for config in suggested[1:]:
+        assert 0.001 <= config["optimizer.learning_rate"] <= 0.1 and config["train.global_batch_size"] in (63, 64)
+    searcher.on_trial_complete("trial0", error=True)  # what Tune does with an unrunnable point's trial
+    searcher.on_trial_complete("trial1", result={"val_loss": 0.5, **suggested[1]})
+    assert search.point_id("1_optimizer.learning_rate=0.003", 8) == "t00"
+    assert search.point_id("12_x=1", 120) == "t011"
+
+
+@pytest.mark.timeout(60)
+def test_a_suggested_point_that_cannot_run_says_why(job_dir):
+    from raytf import tuner
+
+    spec = base_spec(cluster={"workers": 2, "cpus_per_worker": 0.5})
+    spec["tune"] = {**TUNE, "space": {**SEARCH_SPACE, "cluster.gpus_per_worker": {"choice": [0, 4]}},
+                    "search": {"algorithm": "optuna"}, "num_samples": 5}
+    plan = tuner.prepare(write_job(job_dir, spec, "sweep.yaml"))
+    assert plan.points == [] and plan.num_trials == 5  # suggested as the sweep goes, not drawn now
+    maker = tuner.Suggested(plan.base, plan.section, plan.source, NODES)
+    good = maker.point("t00", {"optimizer.learning_rate": 0.01, "train.global_batch_size": 64, "cluster.gpus_per_worker": 0})
+    job = maker.job(good, check_storage=False)
+    assert job.spec.train.global_batch_size == 64 and job.output_where == str(job_dir / "runs" / "t" / "trials" / "t00")
+    odd = maker.point("t01", {"optimizer.learning_rate": 0.01, "train.global_batch_size": 63, "cluster.gpus_per_worker": 0})
+    with pytest.raises(tuner.UnrunnablePoint, match=r"point t01 \{.*\} cannot run: train.global_batch_size 63 is not "
+                                                     r"divisible by 2 replicas"):
+        maker.job(odd, check_storage=False)
+    greedy = maker.point("t02", {"optimizer.learning_rate": 0.01, "train.global_batch_size": 64, "cluster.gpus_per_worker": 4})
+    with pytest.raises(tuner.UnrunnablePoint, match=r"cannot run: it asks for 2 bundles of .*'GPU': 4.*the cluster has"):
+        maker.job(greedy, check_storage=False)
+
+
+@pytest.mark.timeout(10)
+def test_the_search_path_keeps_the_best_so_far_in_trial_order():
+    rows = [{"point": "t00", "status": "unrunnable", "final": None}, {"point": "t01", "status": "completed", "final": 0.5},
+            {"point": "t02", "status": "completed", "final": 0.7}, {"point": "t03", "status": "stopped early", "final": 0.2}]
+    path = sweep_report.search_path(rows, "min")
+    assert [p["value"] for p in path] == [None, 0.5, 0.7, 0.2]
+    assert [p["best_so_far"] for p in path] == [None, 0.5, 0.5, 0.2]
+    assert [p["best_so_far"] for p in sweep_report.search_path(rows, "max")] == [None, 0.5, 0.7, 0.7]
+
+
 # ---------------------------------------------------------------- the CLI, before any trial
 
 
@@ -323,13 +397,21 @@ def test_asha_stops_a_clearly_bad_trial_early_and_its_actors_die_with_it(cluster
 
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
-def test_a_stopped_sweep_continues_with_resume(cluster, job_dir, s3):
-    """...from object storage: output.dir is a bucket, so Tune's state, the finished trial and the points
-    are read back from there (as on a new cluster)."""
+def test_an_optuna_search_with_unrunnable_points_stops_and_resumes_the_same_search(cluster, job_dir, s3):
+    """Optuna over learning rate (loguniform) x global batch (choice, 63 indivisible by 2 workers), its output.dir
+    in a bucket: stopped as Ctrl-C would once t01 is done and a later trial runs, then resumed from storage (as on
+    a new cluster). The searcher's state survives: no point is suggested twice, no finished trial runs again, the
+    sweep ends with num_samples trials, the unrunnable ones recorded with the reason."""
     out = f"s3://{s3.bucket()}/sweeps/t"
-    path = sweep_file(job_dir, {"space": {"optimizer.learning_rate": {"grid": [0.01, 0.02]}},
-                                "max_concurrent_trials": 1}, train={"epochs": 1}, output={"dir": out})
-    first = f"{out}/trials/p00/result.json"
+    given = [{"optimizer.learning_rate": 0.01, "train.global_batch_size": 63},  # t00: cannot run
+             {"optimizer.learning_rate": 0.01, "train.global_batch_size": 64},
+             {"optimizer.learning_rate": 0.02, "train.global_batch_size": 64}]  # t02: runs when Ctrl-C comes
+    path = sweep_file(job_dir, {"space": {"optimizer.learning_rate": {"loguniform": [0.003, 0.03]},
+                                          "train.global_batch_size": {"choice": [63, 64]}},
+                                "search": {"algorithm": "optuna", "points_to_evaluate": given},
+                                "num_samples": 4, "max_concurrent_trials": 1, "seed": 1},
+                      train={"epochs": 1}, output={"dir": out})
+    first = f"{out}/trials/t01/result.json"
 
     def first_written() -> float | None:
         import pyarrow.fs as pafs
@@ -337,25 +419,24 @@ def test_a_stopped_sweep_continues_with_resume(cluster, job_dir, s3):
         info = s3.fs().get_file_info(first.removeprefix("s3://"))
         return info.mtime_ns if info.type == pafs.FileType.File else None
 
-    def p01_started() -> bool:
+    def a_later_trial_runs() -> bool:
         from ray.util.state import list_actors
 
-        return any("-p01:" in (a.name or "") for a in list_actors(filters=[("state", "=", "ALIVE")],
-                                                                   raise_on_missing_output=False))
+        return any("-t02:" in (a.name or "") for a in list_actors(filters=[("state", "=", "ALIVE")],
+                                                                  raise_on_missing_output=False))
 
-    def interrupt_after_the_first_trial():  # as Ctrl-C would, once p00 is done
-        # p00's result.json can be written before Tune records the trial as completed; with one trial at a
-        # time, p01's actors running means p00 is done in Tune's own state too.
+    def interrupt_after_t01():  # with one trial at a time, t02 running means t01 is done in Tune's state too
         deadline = time.time() + 200
         while time.time() < deadline:
-            if first_written() is not None and p01_started():
-                os.kill(os.getpid(), signal.SIGINT)  # Tune catches it: saves its state and returns
+            if first_written() is not None and a_later_trial_runs():
+                os.kill(os.getpid(), signal.SIGINT)  # Tune catches it: saves its state (the searcher's too) and returns
                 return
             time.sleep(0.5)
 
-    threading.Thread(target=interrupt_after_the_first_trial, daemon=True).start()
+    threading.Thread(target=interrupt_after_t01, daemon=True).start()
     stopped = raytf.tune(path)
-    assert stopped.interrupted and [r["status"] for r in stopped.rows] == ["completed", "unfinished"], stopped.table
+    assert stopped.interrupted and stopped.rows[0]["status"] == "unrunnable", stopped.table
+    assert stopped.rows[1]["status"] == "completed" and stopped.rows[-1]["status"] == "unfinished", stopped.table
     written = first_written()
     assert_nothing_left()
 
@@ -363,10 +444,21 @@ def test_a_stopped_sweep_continues_with_resume(cluster, job_dir, s3):
         raytf.tune(path)
     resumed = raytf.tune(path, resume=True)
     assert not resumed.interrupted
-    assert [r["status"] for r in resumed.rows] == ["completed", "completed"], resumed.table
-    assert [r["trial_id"] for r in resumed.rows] == [r["trial_id"] for r in stopped.rows]
-    assert first_written() == written  # p00 was not run again
-    assert {"sweep.json", "best.yaml", "points.json", "trials/p01/result.json"} <= set(s3.files(out))
+    assert [r["point"] for r in resumed.rows] == ["t00", "t01", "t02", "t03"], resumed.table
+    assert [r["trial_id"] for r in resumed.rows][:len(stopped.rows)] == [r["trial_id"] for r in stopped.rows]
+    configs = [r["config"] for r in resumed.rows]
+    assert configs[:3] == given  # the given points first, once: the searcher did not start over
+    assert len({json.dumps(c, sort_keys=True) for c in configs}) == 4, configs
+    for r in resumed.rows:
+        if r["config"]["train.global_batch_size"] == 63:
+            assert r["status"] == "unrunnable" and "63 is not divisible by 2 replicas" in r["error"], resumed.table
+        else:
+            assert r["status"] == "completed" and r["epochs"] == 1, resumed.table
+    assert first_written() == written  # t01 was not run again
+    saved = json.loads(s3.fs().open_input_file(f"{out}/sweep.json".removeprefix("s3://")).read())
+    assert saved["search"]["algorithm"] == "optuna"
+    assert [p["point"] for p in saved["search"]["path"]] == ["t00", "t01", "t02", "t03"]
+    assert saved["search"]["path"][-1]["best_so_far"] == resumed.best["final"]
+    assert {"sweep.json", "sweep.png", "best.yaml", "points.json", "trials/t01/result.json"} <= set(s3.files(out))
     assert not (job_dir / "runs").exists()
-    assert resumed.best is not None
     assert_nothing_left()
