@@ -1,7 +1,8 @@
-"""Tune's searchers for a sweep whose points are suggested from the results so far (tune.search.algorithm
-optuna or hyperopt): the space in Tune's terms, the searcher, and the id a suggested point goes by.
+"""Tune's side of a sweep's search: the space in Tune's terms, the searcher (tune.search.algorithm optuna or
+hyperopt: each point suggested from the results so far), the scheduler (asha, hyperband, pbt), and the id a
+point goes by when Tune fills the trial's config.
 
-Grid and random sweeps do not come here: their points are drawn up front (raytf.sweep.expand)."""
+The points of a grid or random search are drawn up front instead (raytf.sweep.expand)."""
 from __future__ import annotations
 
 import importlib
@@ -57,9 +58,62 @@ def searcher(section: TuneSection):
                         **{seed_keyword: section.seed})
 
 
-def point_id(experiment_tag: str, num_samples: int) -> str:
-    """A suggested point's id: t and its place in the order the searcher suggested it, from Tune's running
-    count in the trial's experiment tag ("3_lr=..." is the third): ids sort in trial order and stay the
-    same after a resume (Tune keeps the count with the searcher's state). t00 is the first."""
-    number = int(experiment_tag.split("_", 1)[0]) - 1
-    return f"t{number:0{max(2, len(str(num_samples - 1)))}d}"
+def point_id(experiment_tag: str, section: TuneSection) -> str:
+    """A trial's point id when Tune fills its config: t and its place in the order Tune created it, from
+    Tune's running count in the trial's experiment tag (a searcher's count starts at 1, "3_lr=..." being the
+    third; pbt's random population's at 0): ids sort in trial order and stay the same after a resume (Tune
+    keeps the count with its state). t00 is the first."""
+    number = int(experiment_tag.split("_", 1)[0]) - (1 if section.search.suggests else 0)
+    return f"t{number:0{max(2, len(str(section.num_samples - 1)))}d}"
+
+
+def mutations(section: TuneSection) -> dict[str, Any]:
+    """pbt's hyperparam_mutations: a choice explores its neighbouring values, a range is scaled by 0.8 or 1.2
+    (or, with resample_probability, drawn anew from the space)."""
+    return {key: list(dim.values) if dim.kind == "choice" else domain(dim) for key, dim in section.space.items()}
+
+
+def search_algorithm(section: TuneSection, max_concurrent: int):
+    """What creates the trials: the searcher; for pbt, Tune's random draws from the space (seeded; it takes
+    the concurrency itself, which Tune does not give a generator passed in); None for points drawn up front
+    (a grid over their ids)."""
+    if section.search.suggests:
+        return searcher(section)
+    if section.values_in_config:
+        from ray.tune.search import BasicVariantGenerator
+
+        return BasicVariantGenerator(random_state=section.seed, max_concurrent=max_concurrent)
+    return None
+
+
+def scheduler(section: TuneSection, max_t: int):
+    """tune.scheduler as Tune's scheduler. Time is the job's epoch: a trial started again from a checkpoint
+    reports its epochs where it left off, which Tune's own count of reports would not say."""
+    from ray.tune.schedulers import ASHAScheduler, HyperBandScheduler
+
+    s = section.scheduler
+    if s is None:
+        return None
+    if s.name == "asha":
+        return ASHAScheduler(time_attr="training_iteration", grace_period=s.grace_period,
+                             reduction_factor=s.reduction_factor, max_t=max_t)
+    if s.name == "hyperband":
+        return HyperBandScheduler(time_attr="epoch", max_t=max_t, reduction_factor=s.reduction_factor)
+    return _population_based_training(max_t, time_attr="epoch", perturbation_interval=s.perturbation_interval,
+                                      hyperparam_mutations=mutations(section), quantile_fraction=s.quantile_fraction,
+                                      resample_probability=s.resample_probability, log_config=False, synch=True)
+
+
+def _population_based_training(last_epoch: int, **options):
+    """Tune's PBT, synchronous (every trial reaches the epoch before any exploits, so a trial takes the state a
+    better one had at that same epoch, and no epoch is trained again), and never at a trial's last epoch:
+    its job has ended there (Tune's PBT would exploit at any epoch)."""
+    from ray.tune.schedulers import PopulationBasedTraining, TrialScheduler
+
+    class PopulationBasedTrainingToTheLastEpoch(PopulationBasedTraining):
+        def on_trial_result(self, tune_controller, trial, result):
+            if result.get(self._time_attr, 0) >= last_epoch:
+                return TrialScheduler.CONTINUE
+            return super().on_trial_result(tune_controller, trial, result)
+
+    return PopulationBasedTrainingToTheLastEpoch(**options)

@@ -97,11 +97,37 @@ class LrScaling(_Strict):
     base_batch_size: int | None = Field(default=None, ge=1)  # default: the job's effective batch
 
 
+# Which scheduler takes which keys (the rest of SchedulerSpec's are another scheduler's).
+SCHEDULER_KEYS = {"asha": {"grace_period", "reduction_factor", "max_t"},
+                  "hyperband": {"reduction_factor", "max_t"},
+                  "pbt": {"perturbation_interval", "quantile_fraction", "resample_probability"}}
+
+
 class SchedulerSpec(_Strict):
-    name: Literal["asha"]
-    grace_period: int = Field(default=1, ge=1)  # epochs every trial runs before it can be stopped
-    reduction_factor: float = Field(default=2, gt=1)
-    max_t: int | None = Field(default=None, ge=1)  # default: the most train.epochs of any trial
+    # asha stops the worse trials at each rung; hyperband pauses them (their placement group freed) and resumes
+    # the promoted ones from their checkpoints; pbt copies a better trial's checkpoint into a worse one and
+    # perturbs its values (learning rate, global batch size), the population drawn at random from the space.
+    name: Literal["asha", "hyperband", "pbt"]
+    grace_period: int = Field(default=1, ge=1)  # asha: epochs every trial runs before it can be stopped
+    reduction_factor: float = Field(default=2, gt=1)  # asha, hyperband: 1/this of the trials go on at each rung
+    max_t: int | None = Field(default=None, ge=1)  # asha, hyperband: the last rung; default: the most train.epochs
+    perturbation_interval: int = Field(default=1, ge=1)  # pbt: epochs between a trial's exploit/explore steps
+    quantile_fraction: float = Field(default=0.25, gt=0, le=0.5)  # pbt: the bottom fraction copies the top one
+    resample_probability: float = Field(default=0.25, ge=0, le=1)  # pbt: a value drawn anew instead of perturbed
+
+    @model_validator(mode="after")
+    def _keys_of_this_scheduler(self) -> "SchedulerSpec":
+        foreign = sorted(self.model_fields_set - SCHEDULER_KEYS[self.name] - {"name"})
+        if foreign:
+            owners = {k: [n for n, keys in SCHEDULER_KEYS.items() if k in keys] for k in foreign}
+            raise ValueError("; ".join(f"{k} is {' and '.join(v)}'s, not {self.name}'s" for k, v in owners.items())
+                             + f"; {self.name} takes {', '.join(sorted(SCHEDULER_KEYS[self.name]))}")
+        return self
+
+    @property
+    def pauses(self) -> bool:
+        """Trials stop and start again from their checkpoints (hyperband's pause, pbt's exploit)."""
+        return self.name in ("hyperband", "pbt")
 
 
 # tune.search.algorithm: grid and random draw every point up front (grid dimensions crossed, random ones
@@ -109,7 +135,7 @@ class SchedulerSpec(_Strict):
 UP_FRONT = ("grid", "random")
 SEARCHERS = ("optuna", "hyperopt")
 # Tune has more searchers; these need what raytf does not have yet, or were never run here.
-NOT_YET = {"bohb": "it needs HyperBandForBOHB, which pauses and resumes trials; raytf's schedulers only stop them",
+NOT_YET = {"bohb": "never run with raytf's trials; hyperband (tune.scheduler) pauses and promotes them",
            "bayesopt": "never run with raytf's trials", "ax": "never run with raytf's trials",
            "nevergrad": "never run with raytf's trials", "hebo": "never run with raytf's trials",
            "zoopt": "never run with raytf's trials"}
@@ -162,9 +188,25 @@ class TuneSection(_Strict):
             out[str(key)] = value if isinstance(value, Dimension) else parse_dimension(key, value)
         return out
 
+    @property
+    def values_in_config(self) -> bool:
+        """Tune fills each trial's config with the space's values (a searcher suggests them, or pbt's population
+        is drawn and perturbed by Tune), instead of raytf drawing every point up front."""
+        return self.search.suggests or (self.scheduler is not None and self.scheduler.name == "pbt")
+
     @model_validator(mode="after")
     def _search_fits_the_space(self) -> "TuneSection":
         search = self.search
+        if self.scheduler is not None and self.scheduler.name == "pbt":
+            if search.suggests or search.points_to_evaluate:
+                raise ValueError(f"search: pbt draws its population at random from the space and then perturbs "
+                                 f"it; drop tune.search (or use scheduler asha or hyperband with {search.algorithm})")
+            if not self.space:
+                raise ValueError("scheduler: pbt perturbs the space's values; add tune.space (e.g. "
+                                 "optimizer.learning_rate: {loguniform: [0.0001, 0.01]})")
+            for key, dim in self.space.items():
+                if dim.kind == "grid":
+                    raise ValueError(f"space.{key}: pbt draws its population at random; write {{choice: {list(dim.values)}}}")
         if search.suggests:
             if not self.space:
                 raise ValueError(f"search.algorithm: {search.algorithm} needs a space to search; add tune.space")

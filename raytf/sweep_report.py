@@ -45,10 +45,11 @@ class SweepResult:
 
 
 def trial_status(tune_status: str, epochs: int, planned_epochs: int) -> str:
-    """Tune's status plus what happened: a trial Tune terminated before its last epoch was stopped early."""
+    """Tune's status plus what happened: a trial Tune terminated before its last epoch was stopped early.
+    HyperBand may pause a trial at its last report, after its job finished: all epochs reported is complete."""
     if tune_status == "ERROR":
         return ERROR
-    if tune_status == "TERMINATED":
+    if tune_status == "TERMINATED" or (tune_status == "PAUSED" and epochs >= planned_epochs):
         return COMPLETED if epochs >= planned_epochs else STOPPED
     return UNFINISHED
 
@@ -63,6 +64,13 @@ def search_path(rows: list[dict[str, Any]], mode: str) -> list[dict[str, Any]]:
             best = value if best is None else (min(best, value) if mode == "min" else max(best, value))
         path.append({"point": r["point"], "status": r["status"], "value": value, "best_so_far": best})
     return path
+
+
+def lineage(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """pbt's exploits, in trial order: which trial took which one's state, after which epoch, at which step,
+    and the values it went on with."""
+    return [{"point": r["point"], **entry} for r in rows for entry in r.get("restores", ())
+            if entry["from"] != r["point"]]
 
 
 def best_of(values: list[float], mode: str) -> float | None:
@@ -128,10 +136,11 @@ def write_json(path: Path, data: Any) -> Path:
 
 
 def plot(rows: list[dict[str, Any]], metric: str, mode: str, path: Path, title: str) -> Path | None:
-    """Two panels. Left: the final metric of each trial over global batch size (x, log2) and learning rate
-    (y, log): one dot per trial, coloured and labelled by its value; early-stopped trials hollow, the best
-    one starred. Right: the search's path, each trial's metric in trial order and the best so far, with the
-    trials that could not run or failed marked on the axis."""
+    """Two panels, three for pbt. Left: the final metric of each trial over global batch size (x, log2) and
+    learning rate (y, log): one dot per trial, coloured and labelled by its value; early-stopped trials
+    hollow, the best one starred. Middle: the search's path, each trial's metric in trial order and the best
+    so far, with the trials that could not run or failed marked on the axis. Right (pbt): each trial's
+    metric per epoch, a dashed line from the trial whose checkpoint it took to where it went on."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; no display
@@ -139,8 +148,12 @@ def plot(rows: list[dict[str, Any]], metric: str, mode: str, path: Path, title: 
 
     shown = [r for r in rows if r["final"] is not None and math.isfinite(r["final"])
              and r["global_batch_size"] and r["learning_rate"]]
-    fig, (ax, path_ax) = plt.subplots(1, 2, figsize=(12.0, 4.8), dpi=110)
+    exploits = lineage(rows)
+    fig, axes = plt.subplots(1, 3 if exploits else 2, figsize=(18.0 if exploits else 12.0, 4.8), dpi=110)
+    ax, path_ax = axes[0], axes[1]
     _plot_path(path_ax, search_path(rows, mode), metric)
+    if exploits:
+        _plot_lineage(axes[2], rows, exploits, metric)
     best = best_row(rows, mode)
     if shown:
         xs = [r["global_batch_size"] for r in shown]
@@ -199,3 +212,23 @@ def _plot_path(ax, path: list[dict[str, Any]], metric: str) -> None:
     ax.set_xlabel("trial (in the order they were started)")
     ax.set_ylabel(metric)
     ax.set_title("the search's path", fontsize=9)
+
+
+def _plot_lineage(ax, rows: list[dict[str, Any]], exploits: list[dict[str, Any]], metric: str) -> None:
+    """Each trial's metric per epoch as Tune saw it; an exploit drawn from the donor's value at that epoch to
+    the taker's next one."""
+    colours = {}
+    for r in rows:
+        if r["history"]:
+            line, = ax.plot(range(1, len(r["history"]) + 1), r["history"], marker="o", ms=3, label=r["point"])
+            colours[r["point"]] = line.get_color()
+    by_point = {r["point"]: r["history"] for r in rows}
+    for e in exploits:
+        donor, taker, at = by_point.get(e["from"], []), by_point.get(e["point"], []), e["after_epoch"]
+        if len(donor) >= at and len(taker) > at:
+            ax.plot([at, at + 1], [donor[at - 1], taker[at]], ls="--", c=colours.get(e["point"], "gray"), lw=1)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.legend(loc="best", fontsize=7)
+    ax.set_xlabel("epoch (dashed: took another trial's checkpoint)")
+    ax.set_ylabel(metric)
+    ax.set_title("pbt: each trial's lineage", fontsize=9)

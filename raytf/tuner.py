@@ -20,9 +20,11 @@ import contextlib
 import dataclasses
 import functools
 import json
+import shutil
 import logging
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -46,18 +48,34 @@ class UnrunnablePoint(SpecError):
     """A point suggested by a searcher that cannot run as a job: its trial fails with the reason."""
 
 
-def trial_overrides(base: Job, pid: str, point_overrides: dict[str, Any]) -> dict[str, Any]:
-    """A point's job: its values, its own name and output.dir (and checkpoint.dir: trials never share one)."""
+def trial_overrides(base: Job, pid: str, point_overrides: dict[str, Any], pauses: bool = False) -> dict[str, Any]:
+    """A point's job: its values, its own name and output.dir (and checkpoint.dir: trials never share one).
+    Under a scheduler that stops and restarts trials (`pauses`), every trial checkpoints at each epoch's end
+    (into <output.dir>/checkpoints/<point> unless checkpoint.dir is set): that is what Tune hands back."""
     out = {**point_overrides, "name": f"{base.spec.name}-{pid}", "output.dir": f"{base.output_where}/trials/{pid}"}
     if base.checkpoint_dir is not None:
         out["checkpoint.dir"] = f"{base.checkpoint_dir.rstrip('/')}/{pid}"
+    elif pauses:
+        out["checkpoint.dir"] = f"{base.output_where}/checkpoints/{pid}"
+    if pauses:  # kept until Tune has each one (then pruned by the trial): the driver's report may lag training
+        out.update({"checkpoint.every_epochs": 1, "checkpoint.every_steps": None,
+                    "checkpoint.keep": int(point_overrides.get("train.epochs", base.spec.train.epochs)) + 1})
     return out
+
+
+def _pbt(section: sweep.TuneSection) -> bool:
+    return section.scheduler is not None and section.scheduler.name == "pbt"
+
+
+def _pauses(section: sweep.TuneSection) -> bool:
+    return section.scheduler is not None and section.scheduler.pauses
 
 
 @dataclasses.dataclass
 class Suggested:
-    """What turns a searcher's suggestion (a trial config: spec key -> value) into a job. Picklable: Tune's
-    trial actors build their job from it; the driver uses it to size the trial and to read its results."""
+    """What turns a trial config Tune filled in (a searcher's suggestion, a member of pbt's population: spec
+    key -> value) into a job. Picklable: Tune's trial actors build their job from it; the driver uses it to
+    size the trial and to read its results."""
 
     base: Job
     section: sweep.TuneSection
@@ -72,7 +90,7 @@ class Suggested:
         """The point's job, or UnrunnablePoint with the reason (a spec that does not hold, or a trial no
         set of the cluster's nodes can hold)."""
         try:
-            job = job_lib.load(self.base, trial_overrides(self.base, point.id, point.overrides),
+            job = job_lib.load(self.base, trial_overrides(self.base, point.id, point.overrides, _pauses(self.section)),
                                check_code=False, check_storage=check_storage)
         except SpecError as exc:
             reason = str(exc).removeprefix(f"{self.source}: ")
@@ -99,7 +117,8 @@ class PreparedSweep:
 
     @property
     def suggests(self) -> bool:
-        return self.section.search.suggests
+        """Tune fills each trial's config (a searcher, or pbt's population): no points drawn up front."""
+        return self.section.values_in_config
 
     @property
     def num_trials(self) -> int:
@@ -168,15 +187,25 @@ def prepare(source: "str | Path | Mapping[str, Any]", overrides: Mapping[str, An
 
     def check(pid: str, point_overrides: dict[str, Any]) -> JobSpec:
         try:  # the code is imported once every point has passed the checks that need no TensorFlow
-            jobs[pid] = job_lib.load(base, trial_overrides(base, pid, point_overrides), check_code=False)
+            jobs[pid] = job_lib.load(base, trial_overrides(base, pid, point_overrides, _pauses(section)),
+                                     check_code=False)
             return jobs[pid].spec
         except SpecError as exc:
             raise SpecError(str(exc).removeprefix(f"{name}: ")) from None
 
-    if section.search.suggests:  # only the base job is checked now; each suggestion in its trial
+    if section.values_in_config:  # only the base job is checked now; each suggestion in its trial
         try:  # (an override, or load hands the unchecked base back)
-            search.check_installed(section)
+            if section.search.suggests:
+                search.check_installed(section)
             job_lib.load(base, {"name": base_spec.name})
+            if not section.search.suggests:  # pbt explores each choice: every one must make a job
+                for key, dim in section.space.items():
+                    for value in dim.values if dim.kind == "choice" else ():
+                        try:
+                            job_lib.load(base, {key: value}, check_code=False, check_storage=False)
+                        except SpecError as exc:
+                            raise SpecError(f"tune.space.{key}: pbt explores every choice, and {value!r} cannot "
+                                            f"run: {str(exc).removeprefix(f'{name}: ')}") from None
         except SpecError as exc:
             raise SpecError(f"{name}: {str(exc).removeprefix(f'{name}: ')}") from None
         prepared = PreparedSweep(name, job_raw, base, section, [], {}, [])
@@ -228,34 +257,60 @@ def concurrency(prepared: PreparedSweep, nodes: list[Mapping[str, float]]) -> in
 
 
 def _run_trial(config: dict[str, Any], jobs: dict[str, Job], code_env: dict[str, Any],
-               suggested: Suggested | None = None) -> None:
+               suggested: Suggested | None = None, pauses: bool = False) -> None:
     """One trial: the point's job on the trial's placement group, each epoch reported to Tune. A suggested
     point's job is built here; one that cannot run raises UnrunnablePoint, failing the trial at once.
+
+    Under a scheduler that `pauses` (hyperband, pbt), each epoch's report carries the checkpoint of that
+    epoch's end (raytf.trial_checkpoint); a trial Tune starts again with one (promoted, or given a better
+    trial's by pbt) resumes from it, and the epochs it already holds are not reported again.
 
     The last epoch is reported only once the model is written: a scheduler stops a trial when it reaches
     max_t, and a stop ends this actor (and, with it, the raytf actors it owns) at once."""
     import ray
     from ray import tune
 
+    from raytf import trial_checkpoint
     from raytf.checkpoint import Storage
     from raytf.driver import controller, output
 
     if suggested is None:
-        job = jobs[config["point"]]
+        pid = config["point"]
+        job = jobs[pid]
     else:
         pid = tune.get_context().get_trial_name().split("_", 1)[0]  # as _trial_name made it
         job = suggested.job(suggested.point(pid, config))
-    last_epoch = job.spec.train.epochs
+    storage = Storage(job.checkpoint_dir) if job.checkpoint_dir is not None else None
+    last_epoch, done_epochs = job.spec.train.epochs, 0
+    given = tune.get_checkpoint() if pauses and storage is not None else None
+    if given is not None:  # promoted after a pause, or (pbt) given a better trial's state and new values
+        with given.as_directory() as folder:
+            origin = trial_checkpoint.unpack(folder, storage)
+        done_epochs = origin["epoch"]
+        _add_restore(job, {"after_epoch": done_epochs, "from": origin["point"], "step": origin["step"],
+                           "from_config": origin["config"], "config": {k: v for k, v in config.items() if k != "point"}})
     held: list[dict[str, Any]] = []
 
     def report(metrics: dict[str, Any]) -> None:
         numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        if numbers.get("epoch") == last_epoch:
+        epoch = numbers.get("epoch")
+        if epoch is not None and epoch <= done_epochs:  # reported before Tune stopped this trial
+            return
+        if epoch == last_epoch:
             held.append(numbers)
-        else:
+            return
+        saved = trial_checkpoint.at_epoch_end(storage, epoch) if pauses and storage and epoch else None
+        if saved is None:
             tune.report(numbers)
+            return
+        folder = trial_checkpoint.pack(storage, saved, pid, {k: v for k, v in config.items() if k != "point"})
+        try:
+            tune.report(numbers, checkpoint=tune.Checkpoint.from_directory(folder))
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        trial_checkpoint.drop_before(storage, saved)  # Tune holds it now
 
-    resume = job.checkpoint_dir is not None and Storage(job.checkpoint_dir).latest() is not None
+    resume = storage is not None and storage.latest() is not None
     # A trial's output.dir on object storage: staged on this node, shipped up when the trial's job ends.
     staged = output.claim(job, resume) if is_uri(job.output_where) else contextlib.nullcontext()
     with staged:
@@ -265,14 +320,22 @@ def _run_trial(config: dict[str, Any], jobs: dict[str, Job], code_env: dict[str,
         tune.report(metrics)
 
 
-def point_of(trial, num_samples: int) -> str:
-    """The point id of a Tune trial: given in its config (grid, random), or its place in the order a searcher
-    suggested it (num_samples sets the width: t00, t01, ...)."""
-    return trial.config.get("point") or search.point_id(trial.experiment_tag, num_samples)
+RESTORES = "restores.json"  # in a trial's output.dir: each start from a checkpoint Tune handed back
 
 
-def _trial_name(trial, num_samples: int = 1) -> str:
-    return f"{point_of(trial, num_samples)}_{trial.trial_id}"
+def _add_restore(job: Job, entry: dict[str, Any]) -> None:
+    folder = Folder(job.output_where, "output.dir")
+    folder.write_json(RESTORES, [*(folder.read_json(RESTORES) or []), entry])
+
+
+def point_of(trial, section: sweep.TuneSection) -> str:
+    """The point id of a Tune trial: given in its config (grid, random), or its place in the order Tune made
+    it (a searcher's suggestion, pbt's population: t00, t01, ...)."""
+    return trial.config.get("point") or search.point_id(trial.experiment_tag, section)
+
+
+def _trial_name(trial, section: sweep.TuneSection) -> str:
+    return f"{point_of(trial, section)}_{trial.trial_id}"
 
 
 def _suggested_resources(suggested: Suggested, config: Mapping[str, Any]):
@@ -289,7 +352,7 @@ def _suggested_resources(suggested: Suggested, config: Mapping[str, Any]):
 
 
 def _progress_callback(quiet: bool, descriptions: dict[str, str], metric: str, epochs: dict[str, int],
-                       num_samples: int, suggested: Suggested | None):
+                       section: sweep.TuneSection, suggested: Suggested | None):
     from ray.tune import Callback
 
     class Progress(Callback):
@@ -298,7 +361,7 @@ def _progress_callback(quiet: bool, descriptions: dict[str, str], metric: str, e
 
         def __init__(self):
             self.quiet, self.descriptions, self.metric, self.epochs = quiet, descriptions, metric, epochs
-            self.num_samples, self.suggested = num_samples, suggested
+            self.section, self.suggested = section, suggested
             self._display = None
 
         def __getstate__(self):
@@ -313,23 +376,25 @@ def _progress_callback(quiet: bool, descriptions: dict[str, str], metric: str, e
             self._display.message(text)
 
         def on_trial_start(self, iteration, trials, trial, **info):
-            pid = point_of(trial, self.num_samples)
+            pid = point_of(trial, self.section)
             described = self.descriptions.get(pid) or sweep.Point(pid, {k: v for k, v in trial.config.items()
                                                                         if k != "point"}, {}).describe()
-            self._say(f"raytf: {pid} started: {described}")
+            done = (trial.last_result or {}).get("epoch")
+            self._say(f"raytf: {pid} " + (f"continues after epoch {done} from a checkpoint: " if done else "started: ")
+                      + described)
 
         def on_trial_result(self, iteration, trials, trial, result, **info):
-            pid = point_of(trial, self.num_samples)
+            pid = point_of(trial, self.section)
             value = result.get(self.metric)
             shown = f"{value:.4f}" if isinstance(value, float) else str(value)
             self._say(f"raytf: {pid} epoch {result.get('epoch', result.get('training_iteration'))}/"
                       f"{self.epochs.get(pid, self.epochs.get('*', '?'))}: {self.metric} {shown}")
 
         def on_trial_complete(self, iteration, trials, trial, **info):
-            self._say(f"raytf: {point_of(trial, self.num_samples)} ended")
+            self._say(f"raytf: {point_of(trial, self.section)} ended")
 
         def on_trial_error(self, iteration, trials, trial, **info):
-            pid = point_of(trial, self.num_samples)
+            pid = point_of(trial, self.section)
             if self.suggested is not None:
                 try:
                     self.suggested.job(self.suggested.point(pid, trial.config), check_storage=False)
@@ -349,7 +414,6 @@ def run(prepared: PreparedSweep, display: ProgressDisplay | None = None, resume:
     """Run (or, with `resume`, continue) the sweep on the Ray this process is connected to."""
     import ray
     from ray import tune
-    from ray.tune.schedulers import ASHAScheduler
 
     display = display or ProgressDisplay(quiet=True)
     out, where = prepared.output_dir, prepared.output_where
@@ -361,7 +425,8 @@ def run(prepared: PreparedSweep, display: ProgressDisplay | None = None, resume:
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
     limit = concurrency(prepared, nodes)
     section = prepared.section
-    how = f" suggested by {section.search.algorithm}" if prepared.suggests else ""
+    how = (f" suggested by {section.search.algorithm}" if section.search.suggests
+           else " (pbt's population)" if prepared.suggests else "")
     display.message(f"raytf: sweep {prepared.base.spec.name}: {prepared.num_trials} trials{how}, up to {limit} at once"
                     + (f" ({len(prepared.rejected)} random draws rejected)" if prepared.rejected else "")
                     + f"; output {where}")
@@ -379,35 +444,35 @@ def run(prepared: PreparedSweep, display: ProgressDisplay | None = None, resume:
         resources = lambda config: factories[config["point"]]  # noqa: E731
     else:
         resources = lambda config: _suggested_resources(suggested, config)  # noqa: E731
+    pauses = _pauses(section)
     trainable = tune.with_resources(tune.with_parameters(_run_trial, jobs=prepared.jobs, code_env=code_env,
-                                                         suggested=suggested), resources=resources)
+                                                         suggested=suggested, pauses=pauses), resources=resources)
     started = time.time()
     if restoring:
         display.message(f"raytf: resuming the sweep in {experiment}")
         tuner = tune.Tuner.restore(experiment, trainable=trainable, resume_unfinished=True)
     else:
-        scheduler = None
-        if section.scheduler is not None:
-            s = section.scheduler
-            scheduler = ASHAScheduler(time_attr="training_iteration", grace_period=s.grace_period,
-                                      reduction_factor=s.reduction_factor, max_t=prepared.max_t)
         descriptions = {p.id: p.describe() for p in prepared.points}
         epochs = {pid: j.spec.train.epochs for pid, j in prepared.jobs.items()} or {"*": prepared.max_t}
-        trial_name = functools.partial(_trial_name, num_samples=section.num_samples)
+        trial_name = functools.partial(_trial_name, section=section)
         if suggested is None:  # Tune runs the points drawn up front, one trial each
-            param_space, search_alg, num_samples = {"point": tune.grid_search([p.id for p in prepared.points])}, None, 1
+            param_space, num_samples = {"point": tune.grid_search([p.id for p in prepared.points])}, 1
         else:
-            param_space, search_alg, num_samples = search.param_space(section), search.searcher(section), section.num_samples
+            param_space, num_samples = search.param_space(section), section.num_samples
         tuner = tune.Tuner(
             trainable,
             param_space=param_space,
-            tune_config=tune.TuneConfig(metric=section.metric, mode=section.mode, scheduler=scheduler,
-                                        search_alg=search_alg, num_samples=num_samples,
-                                        max_concurrent_trials=limit, trial_name_creator=trial_name,
+            tune_config=tune.TuneConfig(metric=section.metric, mode=section.mode,
+                                        scheduler=search.scheduler(section, prepared.max_t),
+                                        search_alg=search.search_algorithm(section, limit), num_samples=num_samples,
+                                        max_concurrent_trials=None if _pbt(section) else limit,
+                                        trial_name_creator=trial_name,
                                         trial_dirname_creator=trial_name),
             run_config=tune.RunConfig(name=EXPERIMENT, storage_path=where, verbose=0,
+                                      # a paused or exploited trial starts from its last report's checkpoint
+                                      checkpoint_config=tune.CheckpointConfig(num_to_keep=4 if pauses else None),
                                       callbacks=[_progress_callback(display.quiet, descriptions, section.metric,
-                                                                    epochs, section.num_samples, suggested)]),
+                                                                    epochs, section, suggested)]),
         )
     finished = False
     try:
@@ -463,6 +528,7 @@ def _quiet_tune_console():
     verbose=0 Tune prints nothing (its new output still prints a banner at verbose=0)."""
     before = os.environ.get("RAY_AIR_NEW_OUTPUT")
     os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
+    warnings.filterwarnings("ignore", message="Consider boosting PBT performance")  # a function trainable's restart
     loggers, no_repeats = [logging.getLogger("ray.tune.execution.tune_controller"), logging.getLogger("ray.tune.tune")], _NoRepeats()
     for log in loggers:
         log.addFilter(no_repeats)
@@ -516,7 +582,7 @@ def _check_state(prepared: PreparedSweep, resume: bool, experiment: str, display
 
 def _trial_point(prepared: PreparedSweep, suggested: Suggested | None, trial) -> tuple[sweep.Point, Job | None, str | None]:
     """A Tune trial's point, its job, and why it could not run (a suggested point only)."""
-    pid = point_of(trial, prepared.section.num_samples)
+    pid = point_of(trial, prepared.section)
     if suggested is None:
         return next(p for p in prepared.points if p.id == pid), prepared.jobs[pid], None
     point = suggested.point(pid, trial.config)
@@ -565,6 +631,9 @@ def _collect(prepared: PreparedSweep, experiment: str, limit: int, started: floa
             "output_dir": job.output_where if job is not None else None,
             "model_path": saved.get("model_path"),
             "exports": saved.get("exports", {}),
+            # each start from a checkpoint Tune handed back: after which epoch, from which trial (itself after a
+            # hyperband pause; a better one in pbt's exploit), at which step, with which values
+            "restores": Folder(job.output_where, "output.dir").read_json(RESTORES) or [] if job is not None else [],
             "error": unrunnable or (_error_line(trial) if trial.status == "ERROR" else None),
         })
     rows.sort(key=lambda r: r["point"])
@@ -607,7 +676,8 @@ def _collect(prepared: PreparedSweep, experiment: str, limit: int, started: floa
         max_concurrent_trials=limit, rejected=prepared.rejected, wall_s=round(wall, 3),
         utilization=None if utilization is None else round(utilization, 4),
         interrupted=any(r["status"] == sweep_report.UNFINISHED for r in rows) or len(rows) < prepared.num_trials,
-        search={"algorithm": section.search.algorithm, "path": sweep_report.search_path(rows, section.mode)})
+        search={"algorithm": section.search.algorithm, "path": sweep_report.search_path(rows, section.mode),
+                "lineage": sweep_report.lineage(rows)})
     sweep_report.write_json(out / "sweep.json", result.to_dict())
     return result
 

@@ -167,7 +167,7 @@ SEARCH_SPACE = {"optimizer.learning_rate": {"loguniform": [0.001, 0.1]}, "train.
 
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("tune_fields, expected", [
-    ({"search": {"algorithm": "bohb"}}, "'bohb' is not supported yet (it needs HyperBandForBOHB"),
+    ({"search": {"algorithm": "bohb"}}, "'bohb' is not supported yet (never run with raytf's trials; hyperband"),
     ({"search": {"algorithm": "tpe"}}, "'tpe' is not a search algorithm; use one of grid, random, optuna, hyperopt"),
     ({"search": {"algorithm": "optuna"}, "space": {"train.global_batch_size": {"grid": [32, 64]}}},
      "tune.space.train.global_batch_size: a grid is crossed up front; with search optuna write {choice: [32, 64]}"),
@@ -200,8 +200,8 @@ def test_a_searcher_tries_the_given_points_first_then_draws_inside_the_space(alg
         assert 0.001 <= config["optimizer.learning_rate"] <= 0.1 and config["train.global_batch_size"] in (63, 64)
     searcher.on_trial_complete("trial0", error=True)  # what Tune does with an unrunnable point's trial
     searcher.on_trial_complete("trial1", result={"val_loss": 0.5, **suggested[1]})
-    assert search.point_id("1_optimizer.learning_rate=0.003", 8) == "t00"
-    assert search.point_id("12_x=1", 120) == "t011"
+    assert search.point_id("1_optimizer.learning_rate=0.003", s) == "t00"  # a searcher's count starts at 1
+    assert search.point_id("12_x=1", section(space=SEARCH_SPACE, num_samples=120, search={"algorithm": algorithm})) == "t011"
 
 
 @pytest.mark.timeout(60)
@@ -224,6 +224,78 @@ def test_a_suggested_point_that_cannot_run_says_why(job_dir):
     greedy = maker.point("t02", {"optimizer.learning_rate": 0.01, "train.global_batch_size": 64, "cluster.gpus_per_worker": 4})
     with pytest.raises(tuner.UnrunnablePoint, match=r"cannot run: it asks for 2 bundles of .*'GPU': 4.*the cluster has"):
         maker.job(greedy, check_storage=False)
+
+
+@pytest.mark.timeout(30)
+def test_each_scheduler_is_tunes_own_with_the_epoch_as_its_clock():
+    from ray.tune.schedulers import ASHAScheduler, HyperBandScheduler, PopulationBasedTraining
+
+    from raytf import search
+
+    asha = search.scheduler(section(scheduler={"name": "asha", "grace_period": 2}), max_t=4)
+    assert isinstance(asha, ASHAScheduler)
+    hyperband = search.scheduler(section(scheduler={"name": "hyperband", "reduction_factor": 3}), max_t=9)
+    assert isinstance(hyperband, HyperBandScheduler) and hyperband._time_attr == "epoch" and hyperband._max_t_attr == 9
+    pbt_section = section(scheduler={"name": "pbt", "perturbation_interval": 2}, space=SEARCH_SPACE)
+    pbt = search.scheduler(pbt_section, max_t=6)
+    assert isinstance(pbt, PopulationBasedTraining) and pbt._synch and pbt._perturbation_interval == 2
+    assert pbt._hyperparam_mutations["train.global_batch_size"] == [63, 64]
+    assert search.search_algorithm(pbt_section, 3).max_concurrent == 3  # pbt's population: Tune's random draws
+    assert search.point_id("0_lr=0.1", pbt_section) == "t00" and search.point_id("1_lr=0.1", section(
+        space=SEARCH_SPACE, search={"algorithm": "optuna"})) == "t00"  # a searcher's count starts at 1
+    assert search.scheduler(section(), max_t=3) is None
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("tune_fields, expected", [
+    ({"scheduler": {"name": "pbt", "grace_period": 2}, "space": SEARCH_SPACE},
+     "tune.scheduler: grace_period is asha's, not pbt's; pbt takes perturbation_interval, quantile_fraction"),
+    ({"scheduler": {"name": "pbt"}, "space": {"optimizer.learning_rate": {"grid": [0.1, 0.2]}}},
+     "tune.space.optimizer.learning_rate: pbt draws its population at random; write {choice: [0.1, 0.2]}"),
+    ({"scheduler": {"name": "pbt"}, "space": SEARCH_SPACE, "search": {"algorithm": "optuna"}},
+     "pbt draws its population at random from the space and then perturbs it; drop tune.search"),
+    ({"scheduler": {"name": "hyperband", "perturbation_interval": 2}},
+     "perturbation_interval is pbt's, not hyperband's"),
+])
+def test_bad_scheduler_sections_name_the_key_and_the_fix(tune_fields, expected):
+    with pytest.raises(SpecError) as info:
+        section(**tune_fields)
+    assert expected in str(info.value)
+
+
+@pytest.mark.timeout(60)
+def test_pbt_refuses_a_choice_it_would_explore_into_that_cannot_run(job_dir):
+    from raytf import tuner
+
+    spec = base_spec()
+    spec["tune"] = {**TUNE, "space": SEARCH_SPACE, "scheduler": {"name": "pbt"}, "num_samples": 2}
+    with pytest.raises(SpecError, match=r"tune.space.train.global_batch_size: pbt explores every choice, and 63 "
+                                        r"cannot run: train.global_batch_size 63 is not divisible by 2 replicas"):
+        tuner.prepare(write_job(job_dir, spec, "sweep.yaml"))
+
+
+@pytest.mark.timeout(30)
+def test_a_packed_checkpoint_becomes_the_only_one_and_says_where_it_came_from(tmp_path):
+    from raytf import trial_checkpoint
+    from raytf.checkpoint import Storage
+
+    donor, taker = Storage(str(tmp_path / "donor")), Storage(str(tmp_path / "taker"))
+    for storage, steps in ((donor, (22, 44)), (taker, (22, 44, 66))):
+        for step in steps:
+            files = tmp_path / f"files-{step}"
+            files.mkdir(exist_ok=True)
+            (files / "state.index").write_text(f"{storage.location} {step}")
+            storage.upload(str(files), {"step": step, "epoch": step // 22 + 1, "step_in_epoch": 0, "history": []})
+    assert trial_checkpoint.at_epoch_end(donor, 1, deadline_s=0).step == 22
+    assert trial_checkpoint.at_epoch_end(donor, 3, deadline_s=0.3, poll_s=0.1) is None  # not saved: waits, then None
+    folder = trial_checkpoint.pack(donor, trial_checkpoint.at_epoch_end(donor, 2, deadline_s=0), "t01", {"lr": 0.1})
+    origin = trial_checkpoint.unpack(folder, taker)
+    assert origin == {"point": "t01", "config": {"lr": 0.1}, "step": 44, "epoch": 2}
+    (only,) = taker.list()
+    assert only.step == 44 and only.epoch == 3  # the taker's own later ones are gone: it resumes from this
+    assert open(os.path.join(only.path, "state.index")).read() == f"{donor.location} 44"
+    trial_checkpoint.drop_before(donor, donor.latest())
+    assert [c.step for c in donor.list()] == [44]
 
 
 @pytest.mark.timeout(10)
@@ -364,34 +436,98 @@ class ActorWatch:
         self._thread.join()
 
 
+def tune_progress(job_dir, point):
+    """What Tune recorded of a trial: its reports in order (Tune's own progress.csv)."""
+    import csv
+
+    (folder,) = (job_dir / "runs" / "t" / "tune").glob(f"{point}_*")
+    return list(csv.DictReader(open(folder / "progress.csv")))
+
+
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
-def test_asha_stops_a_clearly_bad_trial_early_and_its_actors_die_with_it(cluster, job_dir):
-    path = sweep_file(job_dir, {"space": {"optimizer.learning_rate": {"grid": [0.01, 1e-7]}},
-                                "scheduler": {"name": "asha", "grace_period": 1, "reduction_factor": 2},
-                                "max_concurrent_trials": 1},  # the good trial reaches the first rung first
-                      train={"epochs": 3})
+def test_hyperband_pauses_a_trial_frees_its_group_for_another_and_promotes_it_from_its_checkpoint(cluster, job_dir):
+    """max_t 2, reduction factor 2: p00 and p01 form a bracket that runs to the end; p02 (a good rate) and p03 (a
+    useless one) form a bracket whose rung is epoch 1. Each trial takes 2 of the cluster's 3 CPUs, so one runs at a
+    time: p02 pauses at epoch 1 (its placement group freed), p03 runs in its place and is stopped there, and p02
+    is promoted: it starts again from the checkpoint of its epoch 1 and trains epoch 2 only."""
+    path = sweep_file(job_dir, {"space": {"optimizer.learning_rate": {"grid": [0.003, 0.004, 0.01, 1e-6]}},
+                                "scheduler": {"name": "hyperband", "reduction_factor": 2},
+                                "max_concurrent_trials": 4},
+                      cluster={"workers": 2, "cpus_per_worker": 1}, train={"epochs": 2})
     with ActorWatch() as watch:
         result = raytf.tune(path)
         time.sleep(2)  # a last look at the actor table
+    rows = {r["point"]: r for r in result.rows}
+    assert [rows[p]["status"] for p in ("p00", "p01", "p02", "p03")] == \
+        ["completed", "completed", "completed", "stopped early"], result.table
+    assert result.best["point"] == "p02"
 
-    good, bad = result.rows
-    assert good["status"] == "completed" and good["epochs"] == 3, result.table
-    assert bad["status"] == "stopped early" and bad["epochs"] == 1, result.table
-    assert bad["final"] > good["history"][0]  # stopped for being worse than the good trial at epoch 1
-    assert result.best["point"] == good["point"]
-    assert not (job_dir / "runs" / "t" / "trials" / bad["point"] / "model.keras").exists()
+    promoted = rows["p02"]
+    assert [(r["from"], r["after_epoch"], r["step"]) for r in promoted["restores"]] == [("p02", 1, 1437 // 64)]
+    saved = json.loads((job_dir / "runs" / "t" / "trials" / "p02" / "result.json").read_text())
+    assert [h["epoch"] for h in saved["history"]] == [1, 2]  # every epoch once, the second after the restore
+    assert [float(r["epoch"]) for r in tune_progress(job_dir, "p02")] == [1.0, 2.0]  # each reported once
+    paused_at = float(tune_progress(job_dir, "p02")[0]["timestamp"])
+    resumed_at = float(tune_progress(job_dir, "p02")[1]["timestamp"])
+    ran_between = float(tune_progress(job_dir, "p03")[0]["timestamp"])
+    assert paused_at <= ran_between <= resumed_at  # p03 ran in the CPUs p02's pause gave back
 
-    # The bad trial's raytf actors ended with its Tune actor (they share its placement group), not later.
+    # The stopped trial's raytf actors ended with its Tune actor (they share its placement group), not later;
+    # p02's group was given up at the pause: its workers ran in two groups.
     groups = {}
     for actor_id, (class_name, group) in watch.info.items():
         groups.setdefault(group, []).append((class_name, watch.seen[actor_id]))
     trials = [g for g, members in groups.items() if g and sum(c == "TaskActor" for c, _ in members) == 2]
-    assert len(trials) == 2, groups
-    bad_group = max(trials, key=lambda g: max(t for _, t in groups[g]))  # the trial that ran second
-    trial_actor_gone = max(t for c, t in groups[bad_group] if c != "TaskActor")
-    workers_gone = [t for c, t in groups[bad_group] if c == "TaskActor"]
-    assert all(t - trial_actor_gone <= 2.0 for t in workers_gone), (trial_actor_gone, workers_gone)
+    assert len(trials) == 5, groups  # p00, p01, p02 twice, p03
+    stopped = max(trials, key=lambda g: min(t for _, t in groups[g]) if min(t for _, t in groups[g]) < resumed_at
+                  else 0)  # the last trial to start before p02 came back: p03
+    trial_actor_gone = max(t for c, t in groups[stopped] if c != "TaskActor")
+    assert all(t - trial_actor_gone <= 2.0 for c, t in groups[stopped] if c == "TaskActor")
+    assert_nothing_left()
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_pbt_copies_a_better_trials_checkpoint_and_perturbs_rate_and_batch_with_no_epoch_trained_twice(cluster, job_dir):
+    """Two trials, pbt every epoch: after epoch 1 the worse trial takes the better one's checkpoint of that epoch
+    and goes on with its values perturbed (learning rate x0.8/x1.2, the batch a neighbouring choice), the rate
+    scaled to the batch by lr_scaling. (ASHA, which only stops trials, is Tune's own and raytf's as before:
+    test_each_scheduler_is_tunes_own...; hyperband's test shows a stopped trial's workers end with it.)"""
+    path = sweep_file(job_dir, {"space": {"optimizer.learning_rate": {"loguniform": [0.0003, 0.03]},
+                                          "train.global_batch_size": {"choice": [32, 64, 128]}},
+                                "scheduler": {"name": "pbt", "perturbation_interval": 1, "resample_probability": 0},
+                                "lr_scaling": {"rule": "linear", "base_batch_size": 64},
+                                "num_samples": 2, "seed": 4},
+                      train={"epochs": 2})
+    result = raytf.tune(path)
+    assert [r["status"] for r in result.rows] == ["completed", "completed"], result.table
+    exploits = result.search["lineage"]
+    assert exploits, result.search
+    rows = {r["point"]: r for r in result.rows}
+    batches = [32, 64, 128]
+    for exploit in exploits:
+        assert exploit["from"] != exploit["point"] and exploit["after_epoch"] == 1
+        before, after = exploit["from_config"], exploit["config"]
+        # explored from the donor's values: the rate x0.8 or x1.2, the batch the same or a neighbouring choice
+        assert after["optimizer.learning_rate"] / before["optimizer.learning_rate"] in (pytest.approx(0.8), pytest.approx(1.2))
+        assert abs(batches.index(after["train.global_batch_size"]) - batches.index(before["train.global_batch_size"])) <= 1
+        # the donor's checkpoint of that epoch's end: its step is that many epochs of the donor's batch
+        assert exploit["step"] == exploit["after_epoch"] * (1437 // before["train.global_batch_size"])
+    for point, row in rows.items():
+        saved = json.loads((job_dir / "runs" / "t" / "trials" / point / "result.json").read_text())
+        assert [h["epoch"] for h in saved["history"]] == [1, 2]  # one path of epochs, each once
+        assert [float(r["epoch"]) for r in tune_progress(job_dir, point)] == [1.0, 2.0]  # reported once each
+        batch, lr = row["config"]["train.global_batch_size"], row["config"]["optimizer.learning_rate"]
+        assert row["learning_rate"] == pytest.approx(lr * batch / 64)  # lr_scaling applied to the perturbed batch
+        assert saved["history"][-1]["learning_rate"] == pytest.approx(lr * batch / 64, rel=1e-5)
+    last = exploits[-1]
+    taker = json.loads((job_dir / "runs" / "t" / "trials" / last["point"] / "result.json").read_text())
+    donor_progress = tune_progress(job_dir, last["from"])
+    # the taker's epochs up to the exploit are the donor's: its model went on from the donor's state
+    assert [h["val_loss"] for h in taker["history"][:last["after_epoch"]]] == pytest.approx(
+        [float(r["val_loss"]) for r in donor_progress[:last["after_epoch"]]])
+    assert open(result.plot_path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     assert_nothing_left()
 
 

@@ -219,8 +219,13 @@ class Checkpoints:
         resume = self.payload.resume_from
         if resume is None:
             return Position()
+        # A constant learning rate is a variable the checkpoint restores; the job's own is the one to train with
+        # (a sweep's pbt may have given this trial another trial's checkpoint and a new rate).
+        rate = schedules.constant_rate(self.runner.optimizer)
         meta = read_state(self.runner.state, resume, self.payload.checkpoint_dir, self.ctx,
                           self.runner.checkpoint_options(), check=self.runner.check_restorable)
+        if rate is not None:
+            schedules.set_constant_rate(self.runner.optimizer, rate)
         return Position(resume.epoch, resume.step_in_epoch, resume.step, resume.history, meta.get("epoch_totals"))
 
     def save(self, global_step: int, epoch: int, step_in_epoch: int, history: list,

@@ -57,6 +57,19 @@ def build_schedule(schedule: StepSchedule):
     return LinearWarmup(after, schedule.warmup_steps, schedule.warmup_start_factor) if schedule.warmup_steps else after
 
 
+def constant_rate(optimizer) -> float | None:
+    """The optimizer's learning rate when it is a value (not a schedule): a variable a checkpoint restores."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    rate = inner._learning_rate
+    if isinstance(rate, schedules.LearningRateSchedule):
+        return None
+    return float(keras.ops.convert_to_numpy(rate))
+
+
+def set_constant_rate(optimizer, rate: float) -> None:
+    getattr(optimizer, "inner_optimizer", optimizer).learning_rate = rate
+
+
 def learning_rate_at(optimizer, step: int) -> float:
     """The learning rate the optimizer uses for optimizer step `step` (0-based)."""
     inner = getattr(optimizer, "inner_optimizer", optimizer)  # LossScaleOptimizer wraps the real one
