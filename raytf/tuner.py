@@ -183,6 +183,10 @@ def prepare(source: "str | Path | Mapping[str, Any]", overrides: Mapping[str, An
     base_spec = job_lib.parse(job_raw, name)
     sweep.check_metric(section, base_spec, name)
     base = Job(spec=base_spec, job_dir=job_lib.job_folder(base_spec, start, name), source=name)
+    if _pauses(section) and base_spec.train_fn is not None:
+        raise SpecError(f"{name}: tune.scheduler {section.scheduler.name} starts trials again from the checkpoint "
+                        f"raytf's loop writes at each epoch's end, which a train_fn's own loop does not; use "
+                        f"scheduler asha (it only stops trials), or raytf's loop")
     jobs: dict[str, Job] = {}
 
     def check(pid: str, point_overrides: dict[str, Any]) -> JobSpec:

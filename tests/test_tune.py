@@ -264,13 +264,20 @@ def test_bad_scheduler_sections_name_the_key_and_the_fix(tune_fields, expected):
 
 
 @pytest.mark.timeout(60)
-def test_pbt_refuses_a_choice_it_would_explore_into_that_cannot_run(job_dir):
+def test_pbt_refuses_a_choice_it_would_explore_into_that_cannot_run_and_a_train_fn_it_cannot_restart(job_dir):
     from raytf import tuner
 
     spec = base_spec()
     spec["tune"] = {**TUNE, "space": SEARCH_SPACE, "scheduler": {"name": "pbt"}, "num_samples": 2}
     with pytest.raises(SpecError, match=r"tune.space.train.global_batch_size: pbt explores every choice, and 63 "
                                         r"cannot run: train.global_batch_size 63 is not divisible by 2 replicas"):
+        tuner.prepare(write_job(job_dir, spec, "sweep.yaml"))
+    (job_dir / "own.py").write_text("def train(ctx):\n    pass\n")
+    spec = {**base_spec(train_fn="own:train"), "tune": {**TUNE, "metric": "loss", "scheduler": {"name": "hyperband"},
+                                                        "space": {"optimizer.learning_rate": {"grid": [0.1]}}}}
+    spec.pop("model")
+    with pytest.raises(SpecError, match="tune.scheduler hyperband starts trials again from the checkpoint raytf's "
+                                        "loop writes at each epoch's end, which a train_fn's own loop does not"):
         tuner.prepare(write_job(job_dir, spec, "sweep.yaml"))
 
 
