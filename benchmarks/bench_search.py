@@ -34,6 +34,7 @@ def ways(budget: int) -> dict[str, dict]:
     asha = {"name": "asha", "grace_period": 1, "reduction_factor": 2}
     return {
         "grid + ASHA": {"train.epochs": 4, "tune.search": {"algorithm": "grid"}, "tune.scheduler": asha,
+                        "tune.num_samples": 1,
                         "tune.space.optimizer.learning_rate": {"grid": lrs},
                         "tune.space.train.global_batch_size": {"grid": batches}},
         "Optuna + ASHA": {"train.epochs": 4, "tune.search": {"algorithm": "optuna"}, "tune.scheduler": asha,
@@ -68,8 +69,9 @@ def run_way(name: str, overrides: dict, target: float) -> dict:
     spent = sum(r["epochs"] for r in result.rows)
     finals = [r["final"] for r in result.rows if r["status"] == "completed" and r["final"] is not None]
     bests = [r["best"] for r in result.rows if r["best"] is not None]
-    return {"way": name, "trials": len(result.rows), "trial_epochs": spent, "best_final": min(finals),
-            "best_any_epoch": min(bests), "wall_s": wall,
+    return {"way": name, "trials": len(result.rows), "trial_epochs": spent,
+            "best_final": min(finals, default=float("nan")), "best_any_epoch": min(bests, default=float("nan")),
+            "wall_s": wall,
             "to_target_s": first_time_under(Path(out) / "tune", target, started)}
 
 

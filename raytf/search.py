@@ -5,6 +5,7 @@ point goes by when Tune fills the trial's config.
 The points of a grid or random search are drawn up front instead (raytf.sweep.expand)."""
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Any
 
@@ -73,17 +74,23 @@ def mutations(section: TuneSection) -> dict[str, Any]:
     return {key: list(dim.values) if dim.kind == "choice" else domain(dim) for key, dim in section.space.items()}
 
 
-def search_algorithm(section: TuneSection, max_concurrent: int):
-    """What creates the trials: the searcher; for pbt, Tune's random draws from the space (seeded; it takes
-    the concurrency itself, which Tune does not give a generator passed in); None for points drawn up front
-    (a grid over their ids)."""
+def search_algorithm(section: TuneSection):
+    """What creates the trials: the searcher; for pbt, Tune's random draws from the space (seeded), every
+    member at once; None for points drawn up front (a grid over their ids)."""
     if section.search.suggests:
         return searcher(section)
     if section.values_in_config:
         from ray.tune.search import BasicVariantGenerator
 
-        return BasicVariantGenerator(random_state=section.seed, max_concurrent=max_concurrent)
+        return BasicVariantGenerator(random_state=section.seed, max_concurrent=0)
     return None
+
+
+def creates_every_trial_at_once(section: TuneSection) -> bool:
+    """Under hyperband and pbt every trial exists from the start and placement groups alone limit how many
+    run: Tune counts a paused trial against max_concurrent_trials, so a cap would keep the trial that could use
+    a paused one's resources from ever being created (hyperband's later brackets, pbt's population)."""
+    return section.scheduler is not None and section.scheduler.pauses
 
 
 def scheduler(section: TuneSection, max_t: int):
@@ -99,9 +106,19 @@ def scheduler(section: TuneSection, max_t: int):
                              reduction_factor=s.reduction_factor, max_t=max_t)
     if s.name == "hyperband":
         return HyperBandScheduler(time_attr="epoch", max_t=max_t, reduction_factor=s.reduction_factor)
+    bounds = {k: d.values for k, d in section.space.items() if d.kind in ("uniform", "loguniform")}
     return _population_based_training(max_t, time_attr="epoch", perturbation_interval=s.perturbation_interval,
                                       hyperparam_mutations=mutations(section), quantile_fraction=s.quantile_fraction,
-                                      resample_probability=s.resample_probability, log_config=False, synch=True)
+                                      resample_probability=s.resample_probability, log_config=False, synch=True,
+                                      custom_explore_fn=functools.partial(within_bounds, bounds))
+
+
+def within_bounds(bounds: dict[str, tuple[float, float]], config: dict[str, Any]) -> dict[str, Any]:
+    """pbt's explore scales a range's value by 0.8 or 1.2 without looking at the range: kept inside it."""
+    for key, (low, high) in bounds.items():
+        if key in config:
+            config[key] = min(max(config[key], low), high)
+    return config
 
 
 def _population_based_training(last_epoch: int, **options):

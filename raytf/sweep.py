@@ -197,6 +197,12 @@ class TuneSection(_Strict):
     @model_validator(mode="after")
     def _search_fits_the_space(self) -> "TuneSection":
         search = self.search
+        if self.scheduler is not None and self.scheduler.pauses:
+            for key in self.space:
+                if key == "train.epochs" or key.startswith("cluster."):
+                    raise ValueError(f"space.{key}: {self.scheduler.name} stops and restarts trials at epochs of one "
+                                     f"schedule, in the placement group each trial started with; keep {key} out of "
+                                     f"the space (or use scheduler asha)")
         if self.scheduler is not None and self.scheduler.name == "pbt":
             if search.suggests or search.points_to_evaluate:
                 raise ValueError(f"search: pbt draws its population at random from the space and then perturbs "

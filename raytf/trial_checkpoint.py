@@ -40,12 +40,19 @@ def drop_before(storage: Storage, checkpoint: CheckpointInfo) -> None:
             _delete(storage, old)
 
 
-def _delete(storage: Storage, checkpoint: CheckpointInfo) -> None:
+def _delete(storage: Storage, checkpoint: CheckpointInfo, strict: bool = False) -> None:
     path = checkpoint.path.split("://", 1)[1] if "://" in checkpoint.path else checkpoint.path
     try:
         storage.fs.delete_dir(path)
-    except Exception:  # already gone
-        pass
+    except Exception:  # already gone; or, when it must go (`strict`), a store that refuses
+        if strict and any(c.step == checkpoint.step for c in storage.list()):
+            raise
+
+
+def clear(storage: Storage) -> None:
+    """Delete every checkpoint of the trial (they must go: the trial resumes from what is left)."""
+    for old in storage.list():
+        _delete(storage, old, strict=True)
 
 
 def pack(storage: Storage, checkpoint: CheckpointInfo, point: str, values: dict[str, Any]) -> str:
@@ -66,8 +73,7 @@ def unpack(folder: str, storage: Storage) -> dict[str, Any]:
         origin = json.load(f)
     with open(os.path.join(folder, META)) as f:
         meta = json.load(f)
-    for old in storage.list():
-        _delete(storage, old)
+    clear(storage)
     files = tempfile.mkdtemp(prefix="raytf-trial-ckpt-")
     try:
         for name in os.listdir(folder):
@@ -76,4 +82,8 @@ def unpack(folder: str, storage: Storage) -> dict[str, Any]:
         storage.upload(files, meta)  # raytf.json written last: the checkpoint is complete only then
     finally:
         shutil.rmtree(files, ignore_errors=True)
+    there = [c.step for c in storage.list()]
+    if there != [meta["step"]]:  # e.g. a worker of the trial's last start still saving
+        raise RuntimeError(f"checkpoint.dir {storage.location} holds steps {there} after the hand-back of step "
+                           f"{meta['step']}; the trial would not resume from it")
     return origin

@@ -17,8 +17,10 @@
 from __future__ import annotations
 
 import contextlib
+import csv
 import dataclasses
 import functools
+import io
 import json
 import shutil
 import logging
@@ -63,10 +65,6 @@ def trial_overrides(base: Job, pid: str, point_overrides: dict[str, Any], pauses
     return out
 
 
-def _pbt(section: sweep.TuneSection) -> bool:
-    return section.scheduler is not None and section.scheduler.name == "pbt"
-
-
 def _pauses(section: sweep.TuneSection) -> bool:
     return section.scheduler is not None and section.scheduler.pauses
 
@@ -86,9 +84,9 @@ class Suggested:
         values = {k: config[k] for k in self.section.space if k in config}
         return sweep.Point(pid, values, sweep.point_overrides(values, self.base.spec, self.section, 0))
 
-    def job(self, point: sweep.Point, check_storage: bool = True) -> Job:
-        """The point's job, or UnrunnablePoint with the reason (a spec that does not hold, or a trial no
-        set of the cluster's nodes can hold)."""
+    def job(self, point: sweep.Point, check_storage: bool = True, check_fit: bool = True) -> Job:
+        """The point's job, or UnrunnablePoint with the reason (a spec that does not hold, or, `check_fit`, a
+        trial no set of the cluster's nodes, as they were when the sweep started, can hold)."""
         try:
             job = job_lib.load(self.base, trial_overrides(self.base, point.id, point.overrides, _pauses(self.section)),
                                check_code=False, check_storage=check_storage)
@@ -96,10 +94,11 @@ class Suggested:
             reason = str(exc).removeprefix(f"{self.source}: ")
             raise UnrunnablePoint(f"point {point.id} {point.describe()} cannot run: {reason}") from None
         bundles, strategy = trial_bundles(job.spec), job.spec.cluster.effective_placement
-        if sweep.trials_that_fit(self.nodes, bundles, strategy, limit=1) == 0:
+        if check_fit and sweep.trials_that_fit(self.nodes, bundles, strategy, limit=1) == 0:
             have = placement.total([{k: v for k, v in n.items() if k in ("CPU", "GPU")} for n in self.nodes])
             raise UnrunnablePoint(f"point {point.id} {point.describe()} cannot run: it asks for {len(bundles)} "
-                                  f"bundles of {bundles[0]} ({strategy}); the cluster has {have}")
+                                  f"bundles of {bundles[0]} ({strategy}); the cluster has {have}; narrow "
+                                  f"tune.space or add nodes")
         return job
 
 
@@ -201,6 +200,7 @@ def prepare(source: "str | Path | Mapping[str, Any]", overrides: Mapping[str, An
         try:  # (an override, or load hands the unchecked base back)
             if section.search.suggests:
                 search.check_installed(section)
+            sweep.point_overrides({}, base_spec, section, 0)  # lr_scaling against optimizer.scale_lr, as a grid's
             job_lib.load(base, {"name": base_spec.name})
             if not section.search.suggests:  # pbt explores each choice: every one must make a job
                 for key, dim in section.space.items():
@@ -293,6 +293,8 @@ def _run_trial(config: dict[str, Any], jobs: dict[str, Job], code_env: dict[str,
         done_epochs = origin["epoch"]
         _add_restore(job, {"after_epoch": done_epochs, "from": origin["point"], "step": origin["step"],
                            "from_config": origin["config"], "config": {k: v for k, v in config.items() if k != "point"}})
+    elif pauses and storage is not None:  # a first start: what a crashed earlier run left is not this trial's
+        trial_checkpoint.clear(storage)
     held: list[dict[str, Any]] = []
 
     def report(metrics: dict[str, Any]) -> None:
@@ -468,13 +470,16 @@ def run(prepared: PreparedSweep, display: ProgressDisplay | None = None, resume:
             param_space=param_space,
             tune_config=tune.TuneConfig(metric=section.metric, mode=section.mode,
                                         scheduler=search.scheduler(section, prepared.max_t),
-                                        search_alg=search.search_algorithm(section, limit), num_samples=num_samples,
-                                        max_concurrent_trials=None if _pbt(section) else limit,
+                                        search_alg=search.search_algorithm(section), num_samples=num_samples,
+                                        max_concurrent_trials=None if search.creates_every_trial_at_once(section)
+                                        else limit,
                                         trial_name_creator=trial_name,
                                         trial_dirname_creator=trial_name),
             run_config=tune.RunConfig(name=EXPERIMENT, storage_path=where, verbose=0,
                                       # a paused or exploited trial starts from its last report's checkpoint
-                                      checkpoint_config=tune.CheckpointConfig(num_to_keep=4 if pauses else None),
+                                      # (pbt: all of them, or a donor's may go before a waiting trial takes it)
+                                      checkpoint_config=tune.CheckpointConfig(
+                                          num_to_keep=4 if pauses and section.scheduler.name == "hyperband" else None),
                                       callbacks=[_progress_callback(display.quiet, descriptions, section.metric,
                                                                     epochs, section, suggested)]),
         )
@@ -532,12 +537,13 @@ def _quiet_tune_console():
     verbose=0 Tune prints nothing (its new output still prints a banner at verbose=0)."""
     before = os.environ.get("RAY_AIR_NEW_OUTPUT")
     os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
-    warnings.filterwarnings("ignore", message="Consider boosting PBT performance")  # a function trainable's restart
     loggers, no_repeats = [logging.getLogger("ray.tune.execution.tune_controller"), logging.getLogger("ray.tune.tune")], _NoRepeats()
     for log in loggers:
         log.addFilter(no_repeats)
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Consider boosting PBT performance")  # restarts are ours
+            yield
     finally:
         for log in loggers:
             log.removeFilter(no_repeats)
@@ -573,6 +579,11 @@ def _check_state(prepared: PreparedSweep, resume: bool, experiment: str, display
     if not exists:
         display.message(f"raytf: --resume: no sweep in {where} yet; starting it")
         return False
+    if _pauses(prepared.section):
+        raise SpecError(f"{prepared.source}: a tune.scheduler {prepared.section.scheduler.name} sweep cannot be resumed "
+                        f"yet: Tune does not keep its scheduler's state (brackets, population) across a restore, and "
+                        f"a restored hyperband would wait forever on trials that ended; start it again in another "
+                        f"output.dir (e.g. --set output.dir=...)")
     saved = Folder(where, "output.dir").read_json(POINTS_FILE)
     if saved is not None and saved != _points_state(prepared):
         now = {p["id"]: p for p in _points_state(prepared)}
@@ -590,11 +601,14 @@ def _trial_point(prepared: PreparedSweep, suggested: Suggested | None, trial) ->
     if suggested is None:
         return next(p for p in prepared.points if p.id == pid), prepared.jobs[pid], None
     point = suggested.point(pid, trial.config)
-    try:
-        job = suggested.job(point, check_storage=False)
-        return dataclasses.replace(point, learning_rate=learning_rate.peak(job.spec)), job, None
+    try:  # the spec only: the cluster of now may not be the one the trial met (an autoscaler, a resume)
+        job = suggested.job(point, check_storage=False, check_fit=False)
     except UnrunnablePoint as exc:
         return point, None, str(exc)
+    failed = _error_line(trial) if trial.status == "ERROR" else ""
+    if f"{UnrunnablePoint.__name__}: " in failed:  # the trial found no set of nodes to hold it
+        return point, None, failed.split(f"{UnrunnablePoint.__name__}: ", 1)[1]
+    return dataclasses.replace(point, learning_rate=learning_rate.peak(job.spec)), job, None
 
 
 def _collect(prepared: PreparedSweep, experiment: str, limit: int, started: float, wall: float,
@@ -609,8 +623,7 @@ def _collect(prepared: PreparedSweep, experiment: str, limit: int, started: floa
     for trial in analysis.trials:
         point, job, unrunnable = _trial_point(prepared, suggested, trial)
         by_point[point.id] = point
-        frame = analysis.trial_dataframes.get(trial.trial_id)
-        history = _history(frame, section.metric)
+        history = _history(_reports(prepared, analysis, trial), section.metric)
         last = trial.last_result or {}
         epochs = int(last.get("epoch", len(history)) or 0)
         spec = job.spec if job is not None else None
@@ -658,7 +671,10 @@ def _collect(prepared: PreparedSweep, experiment: str, limit: int, started: floa
             run_it = f"raytf run {_relative(prepared.best_spec_path, Path.cwd())}"
         header = (f"The best trial of the sweep {prepared.source} ({best['point']}: {section.metric} "
                   f"{best['final']:.4g} after {best['epochs']} epochs).\n"
-                  f"Run it: {run_it}")
+                  + (f"Its model came through pbt's exploits (trials/{best['point']}/restores.json): these are its "
+                     f"last values, and training them from scratch need not reach the same model.\n"
+                     if best.get("restores") and any(r["from"] != best["point"] for r in best["restores"]) else "")
+                  + f"Run it: {run_it}")
         text = sweep_report.best_spec_yaml(prepared.job_raw, {**point.overrides, "name": f"{prepared.base.spec.name}-best",
                                                           "base_dir": base_dir, "output.dir": rel_out}, header)
         sweep_report.write_text(prepared.best_spec_path, text)
@@ -686,14 +702,30 @@ def _collect(prepared: PreparedSweep, experiment: str, limit: int, started: floa
     return result
 
 
-def _history(frame, metric: str) -> list[float]:
+def _reports(prepared: PreparedSweep, analysis, trial) -> list[dict[str, Any]]:
+    """A trial's reports as Tune wrote them to its progress.csv. (ExperimentAnalysis's dataframe of a trial Tune
+    paused and restored can miss reports: it was seen holding one epoch of two.)"""
+    text = Folder(prepared.experiment, "output.dir").read_bytes(f"{_trial_name(trial, prepared.section)}/progress.csv")
+    if text:
+        return list(csv.DictReader(io.StringIO(text.decode())))
+    frame = analysis.trial_dataframes.get(trial.trial_id)
+    return frame.to_dict("records") if frame is not None else []
+
+
+def _history(reports: list[dict[str, Any]], metric: str) -> list[float]:
     """The metric per epoch, in order. A trial run again after a resume may have reported an epoch twice:
     the later report wins."""
-    if frame is None or metric not in frame:
-        return []
-    if "epoch" not in frame:
-        return [float(v) for v in frame[metric]]
-    by_epoch = {int(e): float(v) for e, v in zip(frame["epoch"], frame[metric]) if e == e}  # e == e: not NaN
+    def number(value) -> float | None:  # NaN stays (a diverged epoch); missing or empty is None
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            return None
+
+    values = [(number(r.get("epoch")), number(r.get(metric))) for r in reports]
+    values = [(None if e != e else e, v) for e, v in values]  # e != e: a NaN epoch
+    if any(e is None for e, v in values if v is not None):  # reports without epochs: in order
+        return [v for _, v in values if v is not None]
+    by_epoch = {int(e): v for e, v in values if v is not None}
     return [by_epoch[e] for e in sorted(by_epoch)]
 
 

@@ -240,7 +240,10 @@ def test_each_scheduler_is_tunes_own_with_the_epoch_as_its_clock():
     pbt = search.scheduler(pbt_section, max_t=6)
     assert isinstance(pbt, PopulationBasedTraining) and pbt._synch and pbt._perturbation_interval == 2
     assert pbt._hyperparam_mutations["train.global_batch_size"] == [63, 64]
-    assert search.search_algorithm(pbt_section, 3).max_concurrent == 3  # pbt's population: Tune's random draws
+    assert search.search_algorithm(pbt_section).max_concurrent == 0  # the whole population at once
+    assert search.creates_every_trial_at_once(pbt_section) and not search.creates_every_trial_at_once(section())
+    assert search.within_bounds({"optimizer.learning_rate": (0.001, 0.1)}, {"optimizer.learning_rate": 0.12,
+                                "train.global_batch_size": 64}) == {"optimizer.learning_rate": 0.1, "train.global_batch_size": 64}
     assert search.point_id("0_lr=0.1", pbt_section) == "t00" and search.point_id("1_lr=0.1", section(
         space=SEARCH_SPACE, search={"algorithm": "optuna"})) == "t00"  # a searcher's count starts at 1
     assert search.scheduler(section(), max_t=3) is None
@@ -256,6 +259,9 @@ def test_each_scheduler_is_tunes_own_with_the_epoch_as_its_clock():
      "pbt draws its population at random from the space and then perturbs it; drop tune.search"),
     ({"scheduler": {"name": "hyperband", "perturbation_interval": 2}},
      "perturbation_interval is pbt's, not hyperband's"),
+    ({"scheduler": {"name": "hyperband"}, "space": {"cluster.workers": {"grid": [2, 4]}}},
+     "tune.space.cluster.workers: hyperband stops and restarts trials at epochs of one schedule, in the placement "
+     "group each trial started with; keep cluster.workers out of the space"),
 ])
 def test_bad_scheduler_sections_name_the_key_and_the_fix(tune_fields, expected):
     with pytest.raises(SpecError) as info:
@@ -373,49 +379,6 @@ def sweep_file(job_dir, tune_fields, **sections):
     return write_job(job_dir, spec, "sweep.yaml")
 
 
-@pytest.mark.cluster
-@pytest.mark.timeout(300)
-def test_a_2x2_grid_of_2_worker_trials_completes_and_reports_the_real_best(cluster, job_dir):
-    path = sweep_file(job_dir, {"space": {"train.global_batch_size": {"grid": [48, 96]},
-                                          "optimizer.learning_rate": {"grid": [0.002, 0.02]}}},
-                      train={"epochs": 2}, output={"export": ["keras", "saved_model"]})
-    result = raytf.tune(path)
-
-    assert result.max_concurrent_trials == 3  # 3 one-CPU nodes, trials of 2 x 0.5 CPU
-    assert [r["point"] for r in result.rows] == ["p00", "p01", "p02", "p03"]
-    assert all(r["status"] == "completed" and r["epochs"] == 2 for r in result.rows), result.table
-    finals = {r["point"]: r["final"] for r in result.rows}
-    assert result.best["point"] == min(finals, key=finals.get)  # really the best of the rows
-    assert result.best["final"] == min(finals.values())
-    for r in result.rows:
-        saved = json.loads((job_dir / "runs" / "t" / "trials" / r["point"] / "result.json").read_text())
-        batch = r["config"]["train.global_batch_size"]
-        assert saved["status"] == "succeeded" and saved["workers"] == 2  # each trial: its own 2-worker job
-        assert [h["examples"] for h in saved["history"]] == [1437 // batch * batch] * 2  # ran with its own batch
-        assert [h["val_loss"] for h in saved["history"]] == pytest.approx(r["history"])  # Tune saw every epoch
-        assert len({t["weights_digest"] for t in saved["tasks"]}) == 1
-    assert len({r["trial_id"] for r in result.rows}) == 4
-
-    assert result.best_spec_path == str(job_dir / "runs" / "t" / "best.yaml")  # in output.dir, not the job folder
-    best_spec = load(result.best_spec_path)  # a ready-to-run job: the best point's values, no tune section
-    assert best_spec.job_dir == job_dir  # its base_dir points back at the job folder: its code and data
-    assert best_spec.output_dir == job_dir / "runs" / "t" / "best"
-    assert best_spec.spec.train.global_batch_size == result.best["config"]["train.global_batch_size"]
-    assert best_spec.spec.optimizer.learning_rate == result.best["config"]["optimizer.learning_rate"]
-    assert "tune" not in yaml.safe_load(open(result.best_spec_path))
-    assert result.best_model_path == str(job_dir / "runs" / "t" / "trials" / result.best["point"] / "model.keras")
-    assert os.path.getsize(result.best_model_path) > 0
-    best_dir = job_dir / "runs" / "t" / "trials" / result.best["point"]  # exported as a plain run would be
-    assert result.best_exports == {"keras": str(best_dir / "model.keras"), "saved_model": str(best_dir / "saved_model")}
-    assert (best_dir / "saved_model" / "saved_model.pb").exists()
-    saved = json.loads(open(result.sweep_json).read())
-    assert len(saved["rows"]) == 4 and saved["best"]["point"] == result.best["point"]
-    assert open(result.plot_path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
-    assert 0 < result.utilization <= 1
-    assert result.table.count("\n") == 5 and "*  " + result.best["point"] in result.table
-    assert_nothing_left()
-
-
 class ActorWatch:
     """Polls Ray's actor table: when each actor was last seen alive, its class and placement group."""
 
@@ -453,25 +416,29 @@ def tune_progress(job_dir, point):
 
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
-def test_hyperband_pauses_a_trial_frees_its_group_for_another_and_promotes_it_from_its_checkpoint(cluster, job_dir):
-    """max_t 2, reduction factor 2: p00 and p01 form a bracket that runs to the end; p02 (a good rate) and p03 (a
-    useless one) form a bracket whose rung is epoch 1. Each trial takes 2 of the cluster's 3 CPUs, so one runs at a
-    time: p02 pauses at epoch 1 (its placement group freed), p03 runs in its place and is stopped there, and p02
-    is promoted: it starts again from the checkpoint of its epoch 1 and trains epoch 2 only."""
-    path = sweep_file(job_dir, {"space": {"optimizer.learning_rate": {"grid": [0.003, 0.004, 0.01, 1e-6]}},
-                                "scheduler": {"name": "hyperband", "reduction_factor": 2},
-                                "max_concurrent_trials": 4},
-                      cluster={"workers": 2, "cpus_per_worker": 1}, train={"epochs": 2})
+def test_a_2x2_grid_under_hyperband_pauses_a_trial_for_another_promotes_it_and_reports_the_real_best(cluster, job_dir):
+    """A grid of learning rate {1e-6, 0.01} x global batch {48, 96}, every trial a 2-worker job; hyperband, max_t
+    2, reduction factor 2: p00 and p01 (a useless rate) form a bracket that runs to the end; p02 (0.01, 48: 29 steps
+    an epoch) and p03 (0.01, 96: 14) form a bracket whose rung is epoch 1. Each trial takes 2 of the cluster's 3
+    CPUs, so one runs at a time: p02 pauses at epoch 1 (its placement group freed), p03 runs in its place and is
+    stopped there (worse after its fewer steps), and p02 is promoted: it starts again from the checkpoint of its
+    epoch 1 and trains epoch 2 only. Then what any sweep leaves: the real best as a job spec that runs, each
+    trial's model and exports, sweep.json and sweep.png."""
+    path = sweep_file(job_dir, {"space": {"optimizer.learning_rate": {"grid": [1e-6, 0.01]},
+                                          "train.global_batch_size": {"grid": [48, 96]}},
+                                "scheduler": {"name": "hyperband", "reduction_factor": 2}},
+                      cluster={"workers": 2, "cpus_per_worker": 1}, train={"epochs": 2},
+                      output={"export": ["keras", "saved_model"]})
     with ActorWatch() as watch:
         result = raytf.tune(path)
         time.sleep(2)  # a last look at the actor table
     rows = {r["point"]: r for r in result.rows}
     assert [rows[p]["status"] for p in ("p00", "p01", "p02", "p03")] == \
         ["completed", "completed", "completed", "stopped early"], result.table
-    assert result.best["point"] == "p02"
 
     promoted = rows["p02"]
-    assert [(r["from"], r["after_epoch"], r["step"]) for r in promoted["restores"]] == [("p02", 1, 1437 // 64)]
+    assert promoted["config"] == {"optimizer.learning_rate": 0.01, "train.global_batch_size": 48}
+    assert [(r["from"], r["after_epoch"], r["step"]) for r in promoted["restores"]] == [("p02", 1, 1437 // 48)]
     saved = json.loads((job_dir / "runs" / "t" / "trials" / "p02" / "result.json").read_text())
     assert [h["epoch"] for h in saved["history"]] == [1, 2]  # every epoch once, the second after the restore
     assert [float(r["epoch"]) for r in tune_progress(job_dir, "p02")] == [1.0, 2.0]  # each reported once
@@ -479,6 +446,33 @@ def test_hyperband_pauses_a_trial_frees_its_group_for_another_and_promotes_it_fr
     resumed_at = float(tune_progress(job_dir, "p02")[1]["timestamp"])
     ran_between = float(tune_progress(job_dir, "p03")[0]["timestamp"])
     assert paused_at <= ran_between <= resumed_at  # p03 ran in the CPUs p02's pause gave back
+
+    finals = {p: r["final"] for p, r in rows.items() if r["status"] == "completed"}
+    assert result.best["point"] == min(finals, key=finals.get) and result.best["final"] == min(finals.values())
+    for point in finals:
+        r = rows[point]
+        saved = json.loads((job_dir / "runs" / "t" / "trials" / point / "result.json").read_text())
+        batch = r["config"]["train.global_batch_size"]
+        assert saved["status"] == "succeeded" and saved["workers"] == 2  # each trial: its own 2-worker job
+        assert [h["examples"] for h in saved["history"]] == [1437 // batch * batch] * 2  # ran with its own batch
+        assert [h["val_loss"] for h in saved["history"]] == pytest.approx(r["history"])  # Tune saw every epoch
+        assert len({t["weights_digest"] for t in saved["tasks"]}) == 1
+    assert result.best_spec_path == str(job_dir / "runs" / "t" / "best.yaml")  # in output.dir, not the job folder
+    best_spec = load(result.best_spec_path)  # a ready-to-run job: the best point's values, no tune section
+    assert best_spec.job_dir == job_dir  # its base_dir points back at the job folder: its code and data
+    assert best_spec.output_dir == job_dir / "runs" / "t" / "best"
+    assert best_spec.spec.train.global_batch_size == result.best["config"]["train.global_batch_size"]
+    assert best_spec.spec.optimizer.learning_rate == result.best["config"]["optimizer.learning_rate"]
+    assert "tune" not in yaml.safe_load(open(result.best_spec_path))
+    best_dir = job_dir / "runs" / "t" / "trials" / result.best["point"]  # exported as a plain run would be
+    assert result.best_model_path == str(best_dir / "model.keras") and os.path.getsize(result.best_model_path) > 0
+    assert result.best_exports == {"keras": str(best_dir / "model.keras"), "saved_model": str(best_dir / "saved_model")}
+    assert (best_dir / "saved_model" / "saved_model.pb").exists()
+    sweep_json = json.loads(open(result.sweep_json).read())
+    assert len(sweep_json["rows"]) == 4 and sweep_json["best"]["point"] == result.best["point"]
+    assert open(result.plot_path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert 0 < result.utilization <= 1
+    assert result.table.count("\n") == 5 and "*  " + result.best["point"] in result.table
 
     # The stopped trial's raytf actors ended with its Tune actor (they share its placement group), not later;
     # p02's group was given up at the pause: its workers ran in two groups.
