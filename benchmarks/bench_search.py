@@ -82,7 +82,7 @@ def main() -> None:
     args = parser.parse_args()
     import ray
 
-    ray.init(include_dashboard=False, logging_level="ERROR")
+    ray.init(address="local", include_dashboard=False, logging_level="ERROR")  # never a stale cluster
     rows = [run_way(name, overrides, args.target) for name, overrides in ways(args.budget).items()]
     ray.shutdown()
     print(f"\nbudget {args.budget} trial-epochs per way; target val_loss {args.target}\n")

@@ -433,7 +433,9 @@ def run(prepared: PreparedSweep, display: ProgressDisplay | None = None, resume:
     section = prepared.section
     how = (f" suggested by {section.search.algorithm}" if section.search.suggests
            else " (pbt's population)" if prepared.suggests else "")
-    display.message(f"raytf: sweep {prepared.base.spec.name}: {prepared.num_trials} trials{how}, up to {limit} at once"
+    at_once = ("as many at once as the cluster holds" if search.creates_every_trial_at_once(section)
+               else f"up to {limit} at once")
+    display.message(f"raytf: sweep {prepared.base.spec.name}: {prepared.num_trials} trials{how}, {at_once}"
                     + (f" ({len(prepared.rejected)} random draws rejected)" if prepared.rejected else "")
                     + f"; output {where}")
     packaging.mark_output(out)  # a later job in the same job folder leaves the sweep's outputs out
