@@ -93,6 +93,9 @@ def test_a_grid_point_that_cannot_run_is_an_error_naming_the_point():
         points_of({"space": {"cluster.workers": {"grid": [3]}, "optimizer.learning_rate": {"uniform": [0.1, 0.2]}}})
 
 
+SEARCH_SPACE = {"optimizer.learning_rate": {"loguniform": [0.001, 0.1]}, "train.global_batch_size": {"choice": [63, 64]}}
+
+
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("tune_fields, expected", [
     ({"space": {"train.global_batch_size": [64, 128]}}, "tune.space.train.global_batch_size: [64, 128] is not a dimension; write {grid:"),
@@ -102,6 +105,28 @@ def test_a_grid_point_that_cannot_run_is_an_error_naming_the_point():
     ({"mode": "lowest"}, "tune.mode: 'lowest' is not one of 'min' or 'max'"),
     ({"max_concurrent_trials": 0}, "tune.max_concurrent_trials: 0 is not a trial count; use auto or a number >= 1"),
     ({"scheduler": {"name": "asha", "grace": 1}}, "tune.scheduler.grace: unknown key; known keys here: name, grace_period"),
+    ({"search": {"algorithm": "bohb"}}, "'bohb' is not supported yet (never run with raytf's trials; hyperband"),
+    ({"search": {"algorithm": "tpe"}}, "'tpe' is not a search algorithm; use one of grid, random, optuna, hyperopt"),
+    ({"search": {"algorithm": "optuna"}, "space": {"train.global_batch_size": {"grid": [32, 64]}}},
+     "tune.space.train.global_batch_size: a grid is crossed up front; with search optuna write {choice: [32, 64]}"),
+    ({"search": {"algorithm": "optuna", "points_to_evaluate": [{"optimizer.learning_rate": 0.5}]}, "space": SEARCH_SPACE},
+     "tune.search.points_to_evaluate[0]: missing train.global_batch_size; give a value for each of"),
+    ({"search": {"algorithm": "optuna", "points_to_evaluate": [{"optimizer.learning_rate": 0.5,
+                                                                 "train.global_batch_size": 64}]}, "space": SEARCH_SPACE},
+     "tune.search.points_to_evaluate[0]: optimizer.learning_rate: 0.5 is outside the space (loguniform: [0.001, 0.1])"),
+    ({"search": {"algorithm": "grid", "points_to_evaluate": [{"optimizer.learning_rate": 0.01}]}},
+     "tune.search.points_to_evaluate: tried first by a searcher (optuna, hyperopt); with grid, put the values"),
+    ({"scheduler": {"name": "pbt", "grace_period": 2}, "space": SEARCH_SPACE},
+     "tune.scheduler: grace_period is asha's, not pbt's; pbt takes perturbation_interval, quantile_fraction"),
+    ({"scheduler": {"name": "pbt"}, "space": {"optimizer.learning_rate": {"grid": [0.1, 0.2]}}},
+     "tune.space.optimizer.learning_rate: pbt draws its population at random; write {choice: [0.1, 0.2]}"),
+    ({"scheduler": {"name": "pbt"}, "space": SEARCH_SPACE, "search": {"algorithm": "optuna"}},
+     "pbt draws its population at random from the space and then perturbs it; drop tune.search"),
+    ({"scheduler": {"name": "hyperband", "perturbation_interval": 2}},
+     "perturbation_interval is pbt's, not hyperband's"),
+    ({"scheduler": {"name": "hyperband"}, "space": {"cluster.workers": {"grid": [2, 4]}}},
+     "tune.space.cluster.workers: hyperband stops and restarts trials at epochs of one schedule, in the placement "
+     "group each trial started with; keep cluster.workers out of the space"),
 ])
 def test_bad_tune_sections_name_the_key_and_the_fix(tune_fields, expected):
     with pytest.raises(SpecError) as info:
@@ -160,29 +185,6 @@ def test_status_and_best_row():
     assert sweep_report.best_row(rows, "min")["point"] == "c"  # b has no final model: it stopped early
     assert sweep_report.best_row(rows, "max")["point"] == "a"
     assert sweep_report.best_of([0.3, math.nan, 0.1, 0.2], "min") == 0.1
-
-
-SEARCH_SPACE = {"optimizer.learning_rate": {"loguniform": [0.001, 0.1]}, "train.global_batch_size": {"choice": [63, 64]}}
-
-
-@pytest.mark.timeout(10)
-@pytest.mark.parametrize("tune_fields, expected", [
-    ({"search": {"algorithm": "bohb"}}, "'bohb' is not supported yet (never run with raytf's trials; hyperband"),
-    ({"search": {"algorithm": "tpe"}}, "'tpe' is not a search algorithm; use one of grid, random, optuna, hyperopt"),
-    ({"search": {"algorithm": "optuna"}, "space": {"train.global_batch_size": {"grid": [32, 64]}}},
-     "tune.space.train.global_batch_size: a grid is crossed up front; with search optuna write {choice: [32, 64]}"),
-    ({"search": {"algorithm": "optuna", "points_to_evaluate": [{"optimizer.learning_rate": 0.5}]}, "space": SEARCH_SPACE},
-     "tune.search.points_to_evaluate[0]: missing train.global_batch_size; give a value for each of"),
-    ({"search": {"algorithm": "optuna", "points_to_evaluate": [{"optimizer.learning_rate": 0.5,
-                                                                 "train.global_batch_size": 64}]}, "space": SEARCH_SPACE},
-     "tune.search.points_to_evaluate[0]: optimizer.learning_rate: 0.5 is outside the space (loguniform: [0.001, 0.1])"),
-    ({"search": {"algorithm": "grid", "points_to_evaluate": [{"optimizer.learning_rate": 0.01}]}},
-     "tune.search.points_to_evaluate: tried first by a searcher (optuna, hyperopt); with grid, put the values"),
-])
-def test_bad_search_sections_name_the_key_and_the_fix(tune_fields, expected):
-    with pytest.raises(SpecError) as info:
-        section(**tune_fields)
-    assert expected in str(info.value)
 
 
 @pytest.mark.timeout(60)
@@ -247,26 +249,6 @@ def test_each_scheduler_is_tunes_own_with_the_epoch_as_its_clock():
     assert search.point_id("0_lr=0.1", pbt_section) == "t00" and search.point_id("1_lr=0.1", section(
         space=SEARCH_SPACE, search={"algorithm": "optuna"})) == "t00"  # a searcher's count starts at 1
     assert search.scheduler(section(), max_t=3) is None
-
-
-@pytest.mark.timeout(10)
-@pytest.mark.parametrize("tune_fields, expected", [
-    ({"scheduler": {"name": "pbt", "grace_period": 2}, "space": SEARCH_SPACE},
-     "tune.scheduler: grace_period is asha's, not pbt's; pbt takes perturbation_interval, quantile_fraction"),
-    ({"scheduler": {"name": "pbt"}, "space": {"optimizer.learning_rate": {"grid": [0.1, 0.2]}}},
-     "tune.space.optimizer.learning_rate: pbt draws its population at random; write {choice: [0.1, 0.2]}"),
-    ({"scheduler": {"name": "pbt"}, "space": SEARCH_SPACE, "search": {"algorithm": "optuna"}},
-     "pbt draws its population at random from the space and then perturbs it; drop tune.search"),
-    ({"scheduler": {"name": "hyperband", "perturbation_interval": 2}},
-     "perturbation_interval is pbt's, not hyperband's"),
-    ({"scheduler": {"name": "hyperband"}, "space": {"cluster.workers": {"grid": [2, 4]}}},
-     "tune.space.cluster.workers: hyperband stops and restarts trials at epochs of one schedule, in the placement "
-     "group each trial started with; keep cluster.workers out of the space"),
-])
-def test_bad_scheduler_sections_name_the_key_and_the_fix(tune_fields, expected):
-    with pytest.raises(SpecError) as info:
-        section(**tune_fields)
-    assert expected in str(info.value)
 
 
 @pytest.mark.timeout(60)
