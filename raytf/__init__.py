@@ -64,6 +64,9 @@ def fit(spec_or_path: "str | Mapping[str, Any] | JobSpec | Job", overrides: Mapp
     left_out = packaging.check_job_folder(job)
     if left_out:
         display.message(left_out)
+    from raytf import tracking
+
+    tracking.check_server(job)  # a tracking server that is not there is said before Ray starts
 
     from raytf.driver import controller, output  # Ray: only once the spec is known to be good
     from raytf.driver.session import cluster_identity, ray_session
@@ -133,6 +136,9 @@ def tune(sweep_or_path: "str | Mapping[str, Any]", overrides: Mapping[str, Any] 
     display = display or ProgressDisplay(quiet=True)
     if left_out:
         display.message(left_out)
+    from raytf import tracking
+
+    tracking.check_server(plan.base)
 
     from raytf.driver.session import ray_session
 

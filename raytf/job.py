@@ -7,6 +7,7 @@ once, before any actor starts: the checks that need no TensorFlow first.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import dataclasses
 from pathlib import Path
 from typing import Any, Mapping
@@ -208,6 +209,9 @@ def load(source: "str | Path | Mapping[str, Any] | JobSpec | Job",
     if spec.train_fn is not None:
         check_train_fn_keras(spec, job_dir)
     job = Job(spec=spec, job_dir=job_dir, source=name)
+    if spec.tracking.mlflow is not None and importlib.util.find_spec("mlflow") is None:
+        raise SpecError("tracking.mlflow: MLflow's client is not installed in this environment; pip install "
+                        "'raytf[mlflow]' (on a cluster: in its image), or remove tracking from the spec")
     # Bad storage is found before the job's code is imported, not after it trained. pyarrow is imported only
     # for a job that needs it: `import raytf` and a spec error stay fast.
     if check_storage and is_uri(job.output_where):

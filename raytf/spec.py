@@ -6,6 +6,7 @@ Pure: no strategy backends, no Keras, no user code. Rules across sections and st
 from __future__ import annotations
 
 import math
+import re
 from typing import Annotated, Any, Literal, Mapping, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -448,6 +449,31 @@ class OutputSpec(_Strict):
         "run-to-run comparison resolves (benchmarks/bench_timing.py)."))
 
 
+class MlflowSpec(_Strict):
+    uri: str = Field(min_length=1, description=(
+        "MLflow's tracking URI: a server (http://host:5000) or a database (sqlite:///mlflow.db: relative to the job "
+        "folder). Credentials come from MLflow's own environment variables (MLFLOW_TRACKING_TOKEN, "
+        "MLFLOW_TRACKING_USERNAME/PASSWORD), never from the spec."))
+    experiment: str | None = Field(default=None, min_length=1, description=(
+        "The MLflow experiment the run goes into (made if missing). None: the job's name."))
+
+    @field_validator("uri")
+    @classmethod
+    def _no_password(cls, value: str) -> str:
+        if re.match(r"^[a-z][a-z0-9+.-]*://[^/@]*:[^/@]*@", value, re.IGNORECASE):
+            raise ValueError("the URI carries a password, which result.json and every log would repeat; give the "
+                             "server without it and set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
+                             "MLFLOW_TRACKING_TOKEN) in the environment")
+        return value
+
+
+class TrackingSpec(_Strict):
+    mlflow: MlflowSpec | None = Field(default=None, description=(
+        "Log the run to MLflow from the driver: the spec as params, each epoch's metrics, the exported model as "
+        "artifacts, the end as the run's status; a sweep is a parent run with a nested run per trial. Needs "
+        "`pip install 'raytf[mlflow]'`. None: no tracking."))
+
+
 class JobSpec(_Strict):
     name: str = Field(pattern=r"^[\w.-]+$", max_length=100, description=(
         "The job's name: actors, output folder (runs/<name>) and messages carry it."))
@@ -482,6 +508,8 @@ class JobSpec(_Strict):
         "Hangs, restarts, elastic sizes, standbys and preemption."))
     checkpoint: CheckpointSpec = Field(default=CheckpointSpec(), description="Where and how often to checkpoint.")
     output: OutputSpec = Field(default=OutputSpec(), description="What the run writes and where.")
+    tracking: TrackingSpec = Field(default=TrackingSpec(), description=(
+        "Experiment tracking the driver does for you (MLflow); no tracking code in your script."))
     resume: Union[bool, Literal["auto"]] = Field(default=False, description=(
         "false: a fresh run (a checkpoint.dir holding checkpoints is an error); true: continue from its latest "
         "checkpoint (as --resume); auto: continue if there is one, start if not, and train nothing if this run "

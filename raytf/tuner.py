@@ -32,7 +32,7 @@ from typing import Any, Mapping
 
 from raytf import job as job_lib
 from raytf import job_code
-from raytf import learning_rate, search, sweep, sweep_report
+from raytf import learning_rate, search, sweep, sweep_report, tracking
 from raytf.driver import packaging, placement
 from raytf.driver.report import ProgressDisplay
 from raytf.errors import PlacementTimeout, SpecError
@@ -59,6 +59,9 @@ def trial_overrides(base: Job, pid: str, point_overrides: dict[str, Any], pauses
         out["checkpoint.dir"] = f"{base.checkpoint_dir.rstrip('/')}/{pid}"
     elif pauses:
         out["checkpoint.dir"] = f"{base.output_where}/checkpoints/{pid}"
+    mlflow = base.spec.tracking.mlflow
+    if mlflow is not None:  # every trial's run in the sweep's experiment, nested in the sweep's run
+        out["tracking.mlflow.experiment"] = mlflow.experiment or base.spec.name
     if pauses:  # kept until Tune has each one (then pruned by the trial): the driver's report may lag training
         out.update({"checkpoint.every_epochs": 1, "checkpoint.every_steps": None,
                     "checkpoint.keep": int(point_overrides.get("train.epochs", base.spec.train.epochs)) + 1})
@@ -261,7 +264,7 @@ def concurrency(prepared: PreparedSweep, nodes: list[Mapping[str, float]]) -> in
 
 
 def _run_trial(config: dict[str, Any], jobs: dict[str, Job], code_env: dict[str, Any],
-               suggested: Suggested | None = None, pauses: bool = False) -> None:
+               suggested: Suggested | None = None, pauses: bool = False, tracking_parent: str | None = None) -> None:
     """One trial: the point's job on the trial's placement group, each epoch reported to Tune. A suggested
     point's job is built here; one that cannot run raises UnrunnablePoint, failing the trial at once.
 
@@ -321,7 +324,7 @@ def _run_trial(config: dict[str, Any], jobs: dict[str, Job], code_env: dict[str,
     staged = output.claim(job, resume) if is_uri(job.output_where) else contextlib.nullcontext()
     with staged:
         controller.run(job, on_epoch=report, placement_group=ray.util.get_current_placement_group(),
-                       code_env=code_env, resume=resume)
+                       code_env=code_env, resume=resume, tracking_parent=tracking_parent)
     for metrics in held:
         tune.report(metrics)
 
@@ -453,8 +456,10 @@ def run(prepared: PreparedSweep, display: ProgressDisplay | None = None, resume:
     else:
         resources = lambda config: _suggested_resources(suggested, config)  # noqa: E731
     pauses = _pauses(section)
-    trainable = tune.with_resources(tune.with_parameters(_run_trial, jobs=prepared.jobs, code_env=code_env,
-                                                         suggested=suggested, pauses=pauses), resources=resources)
+    parent = tracking.open_sweep_run(prepared, display.message)  # None without tracking.mlflow
+    trainable = tune.with_resources(tune.with_parameters(
+        _run_trial, jobs=prepared.jobs, code_env=code_env, suggested=suggested, pauses=pauses,
+        tracking_parent=parent.run_id if parent else None), resources=resources)
     started = time.time()
     if restoring:
         display.message(f"raytf: resuming the sweep in {experiment}")
@@ -485,16 +490,20 @@ def run(prepared: PreparedSweep, display: ProgressDisplay | None = None, resume:
                                       callbacks=[_progress_callback(display.quiet, descriptions, section.metric,
                                                                     epochs, section, suggested)]),
         )
-    finished = False
+    finished, ended = False, "failed"
     try:
         with _quiet_tune_console():
             tuner.fit()
         wall = time.time() - started
         result = _collect(prepared, experiment, limit, started, wall, float(ray.cluster_resources().get("CPU", 0)),
                           suggested)
-        finished = True
+        finished, ended = True, "succeeded"
         return result
+    except KeyboardInterrupt:
+        ended = "interrupted"
+        raise
     finally:
+        tracking.finish_sweep_run(parent, out, ended)
         if prepared.remote:  # sweep.json, sweep.png, best.yaml: written here, kept there (whatever was written)
             from raytf.driver.output import ship
 

@@ -66,6 +66,14 @@ def s3():
 
 
 @pytest.fixture(scope="session")
+def mlflow():
+    """A real MLflow tracking server on localhost (tests/mlflow_server.py)."""
+    from tests import mlflow_server
+
+    return mlflow_server.server()
+
+
+@pytest.fixture(scope="session")
 def cluster(s3):
     """A local 3-node Ray cluster shared by the test session: a 1-CPU head and two 1-CPU nodes with
     2 logical GPUs each (Ray sets CUDA_VISIBLE_DEVICES per actor; TF runs on CPU). Its nodes reach the
@@ -73,6 +81,9 @@ def cluster(s3):
     import ray
     from ray.cluster_utils import Cluster
 
+    from tests import mlflow_server
+
+    mlflow_server.start_in_background()  # ~8 s of start-up, while Ray starts; the tests that track wait for it
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
     gpu_nodes = [c.add_node(num_cpus=1, num_gpus=2) for _ in range(2)]
     c.wait_for_nodes()

@@ -16,14 +16,17 @@ from raytf.driver.ray_group import RayWorkerGroup
 from raytf.errors import PlacementTimeout, TrainingFailed
 from raytf.job import load
 from tests.conftest import REPO, assert_nothing_left, base_spec, write_job
+from tests.mlflow_server import sha256
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
 
-def test_two_workers_on_two_gpu_nodes_train_to_identical_weights(cluster, job_dir):
+def test_two_workers_on_two_gpu_nodes_train_to_identical_weights(cluster, job_dir, mlflow):
+    """...and the run is in MLflow (a real server): params, a point per epoch, the model, FINISHED."""
     _, gpu_nodes = cluster
     spec = base_spec(train={"epochs": 3, "global_batch_size": 64},
-                     cluster={"workers": 2, "cpus_per_worker": 0.5, "gpus_per_worker": 1, "placement": "strict_spread"})
+                     cluster={"workers": 2, "cpus_per_worker": 0.5, "gpus_per_worker": 1, "placement": "strict_spread"},
+                     tracking={"mlflow": {"uri": mlflow.uri, "experiment": "two-gpu-nodes"}})
     result = raytf.fit(write_job(job_dir, spec))
 
     assert result.status == "succeeded"
@@ -47,10 +50,19 @@ def test_two_workers_on_two_gpu_nodes_train_to_identical_weights(cluster, job_di
     assert saved["history"] == result.history and saved["examples_per_s"] > 0
     assert any(p.name.startswith("events.out.tfevents") for p in (job_dir / "runs" / "t" / "tensorboard").iterdir())
 
+    [run] = mlflow.runs("two-gpu-nodes")
+    assert run.info.status == "FINISHED" and run.info.run_name == "t"
+    assert run.data.params["train.epochs"] == "3" and run.data.params["cluster.placement"] == "strict_spread"
+    assert run.data.params["tracking.mlflow.uri"] == mlflow.uri  # the spec as it ran (no secret can be in it)
+    assert mlflow.history(run.info.run_id, "val_loss") == [(h["epoch"], h["val_loss"]) for h in result.history]
+    assert mlflow.artifacts(run.info.run_id) == ["model.keras", "result.json"]
+    logged_model = mlflow.download(run.info.run_id, "model.keras")
+    assert sha256(logged_model) == sha256(job_dir / "runs" / "t" / "model.keras")
+
     import keras
     import numpy as np
 
-    model = keras.models.load_model(result.model_path)
+    model = keras.models.load_model(logged_model)  # the model MLflow keeps loads
     weights = np.concatenate([w.reshape(-1) for w in model.get_weights()])
     assert weights.size > 0 and np.isfinite(weights).all()
     assert_nothing_left()
@@ -148,9 +160,10 @@ FAILING_MODEL = textwrap.dedent('''
 ''')
 
 
-def test_one_failing_worker_fails_the_job_fast_with_its_rank_and_cause(cluster, job_dir):
+def test_one_failing_worker_fails_the_job_fast_with_its_rank_and_cause(cluster, job_dir, mlflow):
     (job_dir / "failing.py").write_text(FAILING_MODEL)
-    path = write_job(job_dir, base_spec(model="failing:build_model"))
+    path = write_job(job_dir, base_spec(model="failing:build_model",
+                                        tracking={"mlflow": {"uri": mlflow.uri, "experiment": "failing"}}))
     started = time.time()
     with pytest.raises(TrainingFailed) as info:
         raytf.fit(path)
@@ -160,6 +173,9 @@ def test_one_failing_worker_fails_the_job_fast_with_its_rank_and_cause(cluster, 
     assert time.time() - started < 120  # rank 0, left waiting in a collective, was torn down
     saved = json.loads((job_dir / "runs" / "t" / "result.json").read_text())
     assert saved["status"] == "failed" and "boom on rank 1" in saved["error"]
+    [run] = mlflow.runs("failing")  # MLflow says so too, and keeps the result with its cause
+    assert run.info.status == "FAILED" and mlflow.artifacts(run.info.run_id) == ["result.json"]
+    assert "boom on rank 1" in json.loads(mlflow.download(run.info.run_id, "result.json").read_text())["error"]
     assert_nothing_left()
 
 

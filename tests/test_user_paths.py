@@ -311,9 +311,12 @@ def assert_quiet(proc) -> None:
 
 
 @pytest.mark.cluster
-def test_tune_from_inside_the_job_folder_leaves_it_as_it_was_and_its_best_spec_runs(project):
+def test_tune_from_inside_the_job_folder_leaves_it_as_it_was_and_its_best_spec_runs(project, mlflow):
+    """...and MLflow (a real server) holds the sweep as a parent run with the trial's run nested in it;
+    the best spec, run again, is a run of its own in the same experiment."""
     sweep = yaml.safe_load((project / "job.yaml").read_text())
     sweep.update(name="sweep", model="stateful:bn_model", output={"dir": "../runs/sweep", "tensorboard": False},
+                 tracking={"mlflow": {"uri": mlflow.uri, "experiment": "user-path-sweep"}},
                  tune={"metric": "val_loss", "mode": "min",
                        "space": {"optimizer.learning_rate": {"grid": [0.003]}}})  # one trial: the path, not the search
     sweep["data"]["features"] = ["pixels"]
@@ -326,10 +329,22 @@ def test_tune_from_inside_the_job_folder_leaves_it_as_it_was_and_its_best_spec_r
     best = project.parent / "runs" / "sweep" / "best.yaml"
     assert best.is_file() and f"job spec {best}" in proc.stdout
 
+    parent, trial = mlflow.runs("user-path-sweep")
+    assert (parent.info.run_name, parent.info.status) == ("sweep", "FINISHED")
+    assert mlflow.artifacts(parent.info.run_id) == ["best.yaml", "sweep.json", "sweep.png"]
+    assert parent.data.params["tune.space.optimizer.learning_rate.values"] == "[0.003]"
+    assert (trial.info.run_name, trial.info.status) == ("sweep-p00", "FINISHED")
+    assert trial.data.tags["mlflow.parentRunId"] == parent.info.run_id
+    assert trial.data.params["optimizer.learning_rate"] == "0.003"
+    assert [step for step, _ in mlflow.history(trial.info.run_id, "val_loss")] == [1]
+    assert "model.keras" in mlflow.artifacts(trial.info.run_id)
+
     proc = run_cli(["run", str(best)], cwd=project.parent.parent)  # the best spec runs as it is, from anywhere
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((project.parent / "runs" / "sweep" / "best" / "result.json").read_text())["status"] == "succeeded"
     assert files_under(project) == before
+    again = mlflow.runs("user-path-sweep")[-1]
+    assert again.info.status == "FINISHED" and "mlflow.parentRunId" not in again.data.tags
 
 
 def test_data_inspect_reads_the_same_from_every_working_directory(project, tmp_path):

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from raytf import backends
+from raytf import backends, tracking
 from raytf.protocol import Outcome, Progress, WorkerPayload
 from raytf.checkpoint import Storage, resume_note
 from raytf.driver import attempts as run_attempts
@@ -584,7 +584,7 @@ def run(job: Job, group_cls: Callable[..., WorkerGroup] | None = None,
         on_epoch: Callable[[dict[str, Any]], None] | None = None, placement_group=None,
         code_env: dict[str, Any] | None = None, verbose: bool = False,
         resources: Resources | None = None, clock=WallClock, limits: Limits = Limits(),
-        attempts: list[dict[str, Any]] | None = None) -> Result:
+        attempts: list[dict[str, Any]] | None = None, tracking_parent: str | None = None) -> Result:
     """Attempts until one succeeds or the restart policy gives up: each attempt reserves (or re-uses the
     held placement group), starts, trains and tears down; a restart resumes from the latest checkpoint.
 
@@ -594,7 +594,8 @@ def run(job: Job, group_cls: Callable[..., WorkerGroup] | None = None,
     job folder once, from the driver, for all its trials: a trial may run on a node without that folder).
     `verbose`: Ray's own lines about the upload too. `resources`, `clock`, `limits`: seams for tests
     (by default Ray's, with `group_cls` for the attempts' actors: a RayWorkerGroup or a subclass).
-    `attempts`: the run's starts so far (raytf.driver.attempts), this one last; result.json records its end."""
+    `attempts`: the run's starts so far (raytf.driver.attempts), this one last; result.json records its end.
+    `tracking_parent`: the sweep's MLflow run, which a trial's run is nested in (raytf.tracking)."""
     spec = job.spec
     _checkpoint_storage(job, resume)  # a --resume mistake is a spec error before anything is uploaded
     if resources is None:
@@ -603,11 +604,27 @@ def run(job: Job, group_cls: Callable[..., WorkerGroup] | None = None,
         standby = spec.failure.standby and spec.failure.max_restarts > 0
         resources = RayResources(group_cls or RayWorkerGroup, standby_enabled=standby,
                                  standby_check_s=limits.standby_check_s)
+    say = display.message if display else print
+    tracked = tracking.open_job_run(job, say, tracking_parent)  # a dead server: an error before Ray works
+    if tracked is not None:
+        on_epoch = _both(tracked.log_epoch, on_epoch)
     env = code_env if code_env is not None else upload_code(runtime_env(job), verbose=verbose,
                                                              note=display.message if display else None)
     controller = Controller(job, resources, env=env, limits=limits, clock=clock, display=display, resume=resume,
                             on_epoch=on_epoch, placement_group=placement_group, attempts=attempts)
-    return controller.run()
+    try:
+        return controller.run()
+    finally:
+        tracking.finish_job_run(tracked, job, controller.result)
+
+
+def _both(first: Callable[[dict[str, Any]], None],
+          then: Callable[[dict[str, Any]], None] | None) -> Callable[[dict[str, Any]], None]:
+    def call(metrics: dict[str, Any]) -> None:
+        first(metrics)
+        if then is not None:
+            then(metrics)
+    return call
 
 
 def _train_fn_hints(spec, result: Result) -> list[str]:
