@@ -644,9 +644,9 @@ def train_dataset(info: DatasetInfo, root: str, shard: list[Slice], batch_size: 
         ds = tf.data.Dataset.from_generator(
             lambda: epoch_chunks(info, root, shard, epoch_rows, shuffle_buffer, seed, first_epoch, pad),
             output_signature=_signature(info, weight=pad))
-        if examples is not None:
-            ds = examples.prepared(ds.unbatch(), stream_seed, worker, weighted=pad, decode=True).batch(
-                batch_size, drop_remainder=True)
+        if examples is not None:  # each row's preprocess seed is its place in the whole run, resumed or not
+            ds = examples.prepared(ds.unbatch(), seed * 1000 + 1, worker, weighted=pad, decode=True,
+                                   first_index=(first_epoch - 1) * epoch_rows).batch(batch_size, drop_remainder=True)
         else:
             ds = _packed(ds.rebatch(batch_size, drop_remainder=True), info)
     if micro_batches > 1:

@@ -271,6 +271,11 @@ class TrainSpec(_Strict):
         "under MultiWorkerMirrored on TF 2.21). keras3: Keras 3, unchecked."))
     nonfinite_loss: Literal["stop", "continue"] = Field(default="stop", description=(
         "A NaN or infinite epoch loss: stop the job (exit 1, nothing exported), or continue regardless."))
+    deterministic: bool = Field(default=False, description=(
+        "A reproducible run: TensorFlow's op determinism, and Dropout's random state kept in checkpoints, so a run "
+        "killed and resumed ends with the weights of one never interrupted (the same spec, checkpoint settings "
+        "included). Turns output.timing off: TensorFlow refuses timestamps under op determinism. Not with parameter_server, "
+        "failure.elastic, data.cache or dataset_fn."))
 
     @property
     def effective_batch_size(self) -> int:

@@ -52,6 +52,23 @@ def check(spec: JobSpec) -> None:
     if warmup is not None and warmup.epochs is not None and warmup.epochs >= spec.train.epochs:
         raise ValueError(f"optimizer.schedule.warmup.epochs {warmup.epochs:g} is not shorter than train.epochs "
                          f"{spec.train.epochs}; warm up for a part of training, e.g. warmup: {{epochs: 1}}")
+    if spec.train.deterministic:
+        _check_deterministic(spec)
     if spec.train.steps_per_epoch is not None:
         learning_rate.in_steps(spec, spec.train.steps_per_epoch)  # a schedule longer than training names itself
     backend.check_batch(spec)
+
+
+def _check_deterministic(spec: JobSpec) -> None:
+    """What train.deterministic cannot make reproducible, each with the reason."""
+    cannot = [
+        (spec.failure.elastic is not None, "failure.elastic",
+         "a restart with fewer workers splits the data and the batch differently"),
+        (spec.data is not None and spec.data.cache != "none", f"data.cache: {spec.data.cache if spec.data else ''}",
+         "a resumed run fills the cache in another order than the first pass"),
+        (spec.dataset_fn is not None, "dataset_fn",
+         "a resumed run reads your dataset from its start again; give data (Parquet)"),
+    ]
+    for bad, what, why in cannot:
+        if bad:
+            raise ValueError(f"train.deterministic: {what} cannot be reproduced: {why}")

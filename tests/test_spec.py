@@ -196,3 +196,42 @@ def test_more_parameter_server_workers_than_rows_is_a_spec_error(job_dir):
     raw = ps(cluster={"ps": 1, "workers": 1500})  # digits-train has 1,437 rows
     with pytest.raises(SpecError, match="data.train has 1437 rows, fewer than cluster.workers 1500"):
         load(write_job(job_dir, raw))
+
+
+@pytest.mark.parametrize("sections,message", [
+    ({"strategy": "parameter_server", "cluster": {"ps": 1}},
+     "train.deterministic is not supported with strategy: parameter_server; remove it: workers update the variables "
+     "asynchronously"),
+    ({"failure": {"elastic": {"min_workers": 1}}},
+     "train.deterministic: failure.elastic cannot be reproduced: a restart with fewer workers"),
+    ({"data": {**base_spec()["data"], "cache": "memory"}},
+     "train.deterministic: data.cache: memory cannot be reproduced: a resumed run fills the cache in another order"),
+    ({"data": None, "dataset_fn": "m:f", "train": {"steps_per_epoch": 3, "deterministic": True}},
+     "train.deterministic: dataset_fn cannot be reproduced: a resumed run reads your dataset from its start again"),
+])
+def test_what_cannot_be_deterministic_is_named_with_the_reason(sections, message):
+    spec = base_spec(**sections)
+    spec["train"] = {**spec["train"], "deterministic": True}
+    with pytest.raises(SpecError) as info:
+        parse(spec)
+    assert message in str(info.value)
+
+
+def test_a_deterministic_spec_keeps_its_other_keys_and_reads_back_as_it_was():
+    spec = parse(base_spec(train={"deterministic": True}))
+    again = parse(spec.model_dump())  # a trial's or best.yaml's spec: every key written out, timing included
+    assert again.train.deterministic and again.output.timing  # timing stays asked for; the step skips it
+
+
+def test_a_deterministic_run_refuses_a_checkpoint_that_holds_no_random_state():
+    from raytf.actor.mirrored import MirroredRunner
+
+    runner = object.__new__(MirroredRunner)  # only the checkpoint decisions: no strategy, no model
+    runner.deterministic = True
+    assert runner.checkpoint_extras("unused") == {"deterministic": True}
+    runner.check_restorable({"deterministic": True}, "ckpt/step-30")
+    with pytest.raises(ValueError, match=r"checkpoint ckpt/step-30 was written by a run without train.deterministic"
+                                         r".*resume it without train.deterministic, or start afresh"):
+        runner.check_restorable({"step": 30}, "ckpt/step-30")
+    runner.deterministic = False  # the other way round is fine: the saved random state is left unused
+    runner.check_restorable({"deterministic": True}, "ckpt/step-30")

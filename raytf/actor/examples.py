@@ -75,13 +75,14 @@ class Examples:
         return examples.cache(name)
 
     def prepared(self, examples: tf.data.Dataset, seed: int, worker: Any, weighted: bool,
-                 decode: bool = False) -> tf.data.Dataset:
+                 decode: bool = False, first_index: int = 0) -> tf.data.Dataset:
         """(example[, weight]) -> (x, y[, weight]) through the preprocess function. `decode`: the elements
         are still rows (column tuples[, weight]), decoded in the same map (one map is cheaper than two:
-        measured in benchmarks/bench_images.py)."""
+        measured in benchmarks/bench_images.py). `first_index`: the first example's place in the stream (a
+        resumed run's), which its preprocess seed is made from."""
         prepare, wrong = self._prepare_fn(seed, worker, weighted, decode)
         try:
-            return examples.enumerate().map(prepare, num_parallel_calls=AUTOTUNE, deterministic=True)
+            return examples.enumerate(first_index).map(prepare, num_parallel_calls=AUTOTUNE, deterministic=True)
         except Exception as exc:  # tracing it failed: Python or NumPy work on symbolic tensors
             raise self._traced_wrong(exc, wrong) from None
 

@@ -77,7 +77,11 @@ class MirroredRunner:
                               cache_dir=ctx.staging_dir + ".cache")
         self.steps = self.plan.steps
         self.model, self.optimizer, _ = steps_lib.build_model(payload, strategy, self.steps)
-        self.state = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer)
+        self.deterministic = spec.train.deterministic
+        # Dropout's random state (Keras SeedGenerators) is not a weight, and not saved with the model: a
+        # deterministic run keeps it in its checkpoints, so a resumed run draws the masks it would have drawn.
+        randomness = {"random_state": steps_lib.random_state(self.model)} if self.deterministic else {}
+        self.state = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer, **randomness)
         loss_fn = steps_lib.build_loss(spec)
         self.train_acc = steps_lib.Accumulator(steps_lib.build_metrics(spec))
         self.eval_acc = steps_lib.Accumulator(steps_lib.build_metrics(spec))
@@ -145,10 +149,13 @@ class MirroredRunner:
         return None
 
     def checkpoint_extras(self, local_dir: str) -> dict[str, Any]:
-        return {}
+        return {"deterministic": True} if self.deterministic else {}
 
     def check_restorable(self, meta: dict[str, Any], path: str) -> None:
-        pass
+        if self.deterministic and not meta.get("deterministic"):
+            raise ValueError(f"checkpoint {path} was written by a run without train.deterministic and holds no random "
+                             f"state to continue from; resume it without train.deterministic, or start afresh in "
+                             f"another checkpoint.dir")
 
     def final_checkpoint_needed(self) -> bool:
         return False

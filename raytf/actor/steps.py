@@ -381,11 +381,12 @@ def make_step_functions(strategy: tf.distribute.Strategy, model: keras.Model, op
         optimizer.apply_gradients(zip(grads, variables))  # unscales under loss scaling
         return delta
 
-    timing = StepTiming() if spec.output.timing else None
+    # tf.timestamp is refused under op determinism (FailedPreconditionError)
+    timing = StepTiming() if spec.output.timing and not spec.train.deterministic else None
 
     @tf.function
     def train(iterator):
-        began = tf.timestamp()
+        began = tf.timestamp() if timing else None
         with tf.control_dependencies([began] if timing else []):
             batch = next(iterator)  # (x, y) or (x, y, weight)
         fed = timing.fed(batch) if timing else None
@@ -415,6 +416,13 @@ def make_step_functions(strategy: tf.distribute.Strategy, model: keras.Model, op
 
     return StepFunctions(train=train, evaluate=evaluate, global_sum=global_sum,
                          sync_state=make_state_sync(strategy, model), timing=timing)
+
+
+def random_state(model: keras.Model) -> list:
+    """The model's random generators' state (Keras SeedGenerators: Dropout, GaussianNoise, random
+    augmentation layers): its variables that are not weights."""
+    weights = {id(w) for w in model.weights}
+    return [v for v in model.variables if id(v) not in weights]
 
 
 def weights_digest(model: keras.Model) -> str:

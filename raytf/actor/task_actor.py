@@ -93,6 +93,8 @@ class TaskActor:
         self._tf_import.join()
         import tensorflow as tf
 
+        if payload.spec.train.deterministic:  # before the strategy and the model: every kernel picks its exact path
+            tf.config.experimental.enable_op_determinism()
         if payload.spec.cluster.gpu_memory_growth:  # before any GPU is initialised
             for gpu in tf.config.list_physical_devices("GPU"):
                 tf.config.experimental.set_memory_growth(gpu, True)

@@ -82,6 +82,9 @@ class ParameterServer(Backend):
              "set it to false (XLA cannot compile a step whose variables live on the ps tasks, another device)"),
             (spec.failure.elastic is not None, "failure.elastic",
              "remove it: a parameter-server job already goes on when workers die"),
+            (spec.train.deterministic, "train.deterministic",
+             "remove it: workers update the variables asynchronously, in whatever order they finish (use "
+             "strategy: mirrored for a reproducible run)"),
             # ClusterCoordinator gives each step to whichever worker is free, so no worker's share of an
             # epoch is known in advance: "every row once per epoch" cannot be kept.
             (spec.data is not None and spec.data.remainder == "pad", "data.remainder: pad",
