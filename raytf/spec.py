@@ -451,7 +451,11 @@ class OutputSpec(_Strict):
         "A tf.profiler trace, into tensorboard/ for TensorBoard's profile plugin. None: no trace."))
     timing: bool = Field(default=True, description=(
         "Each worker's input wait and step time, measured in its steps; stragglers named. Its cost is below what a "
-        "run-to-run comparison resolves (benchmarks/bench_timing.py)."))
+        "run-to-run comparison resolves (benchmarks/bench_metrics.py --key output.timing)."))
+    metrics: bool = Field(default=True, description=(
+        "Prometheus series per task (steps, examples, input wait, step time, loss, phase, checkpoint time) and per "
+        "job (state, restarts) through Ray's metrics API, exported by every Ray node's metrics endpoint "
+        "(ray_raytf_*). Its cost: benchmarks/bench_metrics.py."))
 
 
 class MlflowSpec(_Strict):

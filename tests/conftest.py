@@ -84,6 +84,7 @@ def cluster(s3):
     from tests import mlflow_server
 
     mlflow_server.start_in_background()  # ~8 s of start-up, while Ray starts; the tests that track wait for it
+    os.environ["RAY_metrics_report_interval_ms"] = "1000"  # a recorded value in the endpoint within 1 s, not 10
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
     gpu_nodes = [c.add_node(num_cpus=1, num_gpus=2) for _ in range(2)]
     c.wait_for_nodes()

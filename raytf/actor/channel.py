@@ -9,14 +9,20 @@ import dataclasses
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from raytf.protocol import Progress, StopAnswer
 
 
 class TaskChannel:
-    def __init__(self, rank: int, full_update_s: float = 0.5):
+    def __init__(self, rank: int, full_update_s: float = 0.5, series=None):
+        """`series`: the task's Prometheus series (raytf.metrics.TaskSeries), updated with each full update."""
         self._lock = threading.Lock()
+        self._series = series
+        self._unrecorded_steps = 0  # steps since the series were last updated
+        self._examples_per_step = 0
+        # set by the loop when it times its steps: () -> {"input_wait_s", "step_s", ...} so far, or None
+        self.timing_source: Callable[[], dict[str, Any] | None] | None = None
         self._full_update_s = full_update_s  # between steps' full updates (loss, rate); the step itself always
         self._last_full = (0.0, 0)  # (when, global step) of the last full update
         self._progress = Progress(rank=rank, pid=os.getpid(), updated=time.time())
@@ -52,12 +58,16 @@ class TaskChannel:
         """How long the last checkpoint took: the driver compares it with a draining node's deadline."""
         with self._lock:
             self._progress = dataclasses.replace(self._progress, checkpoint_s=round(seconds, 3))
+        if self._series is not None:
+            self._series.checkpointed(seconds)
 
     # -- progress, called on every step; cheap unless a full update is due
     def train_step(self, epoch: int, step: int, steps: int | None, global_step: int, loss, examples: int) -> None:
         now = time.time()
         if self.first_step_at is None:
             self.first_step_at = now
+        self._unrecorded_steps += 1
+        self._examples_per_step = examples
         if now - self._last_full[0] < self._full_update_s and step != steps:
             with self._lock:
                 self._progress = dataclasses.replace(self._progress, global_step=global_step, updated=now)
@@ -70,6 +80,16 @@ class TaskChannel:
                 loss=float("nan") if loss is None else float(loss), examples_seen=examples * global_step, updated=now,
                 # since the last full update: a drain's stop step
                 steps_per_s=round(rate, 2) if rate is not None else self._progress.steps_per_s)
+        if self._series is not None:
+            self._record(epoch, global_step, loss, examples)
+
+    def _record(self, epoch: int, global_step: int, loss, examples: int) -> None:
+        steps, self._unrecorded_steps = self._unrecorded_steps, 0
+        self._series.stepped(steps, steps * examples, global_step, epoch, None if loss is None else float(loss))
+        self._series.phase("train")
+        timing = self.timing_source() if self.timing_source is not None else None
+        if timing:
+            self._series.timed(timing["input_wait_s"], timing["step_s"])
 
     def work_done(self) -> None:
         """A unit of work finished that is not an optimizer step this task took (a parameter-server worker
@@ -82,6 +102,8 @@ class TaskChannel:
         with self._lock:
             self._progress = dataclasses.replace(self._progress, phase=name, updated=time.time())
         self._last_full = (0.0, 0)  # steps_per_s starts over after this: it measures stepping only
+        if self._series is not None:
+            self._series.phase(name)
 
     def epoch_end(self, metrics: dict[str, Any]) -> None:
         if self.first_step_at is None:  # a train_fn that reports epochs and no step
@@ -90,6 +112,11 @@ class TaskChannel:
             self._epochs.append(dict(metrics))
             self._progress = dataclasses.replace(self._progress, phase="epoch_end", updated=time.time())
         self._last_full = (0.0, 0)
+        if self._series is not None:
+            if self._unrecorded_steps:  # a train_fn's steps since the last update (it may not say its last step)
+                p = self._progress
+                self._record(p.epoch or 0, p.global_step, p.loss, self._examples_per_step)
+            self._series.phase("epoch_end")
 
     def evaluation(self, metrics: dict[str, Any]) -> None:
         """The evaluator side-car's result for one checkpoint."""
@@ -99,6 +126,8 @@ class TaskChannel:
 
     def progress(self) -> Progress:
         """The latest step, and every epoch's metrics so far (so a slow poller misses none)."""
+        if self._series is not None:
+            self._series.refresh()
         with self._lock:
             return dataclasses.replace(self._progress, epochs=tuple(self._epochs), evaluations=tuple(self._evaluations),
                                        cpu_s=time.process_time())

@@ -72,6 +72,7 @@ def run(runner: Runner, payload: WorkerPayload, ctx: TaskContext) -> Outcome:
     every_kind, every = spec.checkpoint.interval
     trace = StepTrace(spec.output.profile, ctx)
     timing = TimingEvents(ctx) if spec.output.tensorboard else None
+    ctx.channel.timing_source = lambda: runner.timing().get(f"worker-{ctx.rank}")  # for output.metrics
     for epoch in range(position.epoch, spec.train.epochs + 1):
         started = time.time()
         resuming = epoch == position.epoch and position.step_in_epoch > 0

@@ -88,7 +88,7 @@ class TaskActor:
         if self._scratch is None:
             self._make_scratch()
         os.environ["TF_CONFIG"] = tf_config  # an evaluator's names the cluster it is not part of, as TF's do
-        self._channel = TaskChannel(task.rank)
+        self._channel = TaskChannel(task.rank, series=_series(task, payload.spec))
         self._ctx = TaskContext(task.rank, world_size, payload.spec, self._staging, payload, self._channel)
         self._tf_import.join()
         import tensorflow as tf
@@ -194,3 +194,12 @@ def _collect(folder: str) -> dict[str, bytes]:
             with open(path, "rb") as f:
                 out[os.path.relpath(path, folder)] = f.read()
     return out
+
+
+def _series(task: Task, spec) -> Any:
+    """The task's Prometheus series (output.metrics), tagged with the run, its role, rank and node."""
+    if not spec.output.metrics:
+        return None
+    from raytf.metrics import TaskSeries
+
+    return TaskSeries(spec.name, task.role, task.rank, task.node_id)

@@ -156,8 +156,9 @@ class Controller:
     def __init__(self, job: Job, resources: Resources, *, env: dict[str, Any], limits: Limits = Limits(),
                  clock=WallClock, display: ProgressDisplay | None = None, resume: bool = False,
                  on_epoch: Callable[[dict[str, Any]], None] | None = None, placement_group=None,
-                 attempts: list[dict[str, Any]] | None = None):
+                 attempts: list[dict[str, Any]] | None = None, series=None):
         self.job, self.spec = job, job.spec
+        self.series = series  # the job's Prometheus series (raytf.metrics.JobSeries), or None
         self.backend = backends.get(self.spec.strategy)
         self.resources, self.env, self.limits, self.clock = resources, env, limits, clock
         self.display = display or ProgressDisplay(quiet=True)
@@ -194,6 +195,8 @@ class Controller:
             self._stop_group()
             self._record_failure(exc)
             self._write()
+            if self.series is not None:
+                self.series.state("interrupted" if isinstance(exc, KeyboardInterrupt) else FAILED)
             raise
         finally:
             self.resources.release_standby()
@@ -205,6 +208,8 @@ class Controller:
     def step(self) -> str:
         """Advance one state; returns the new one."""
         {PLACING: self._place, STARTING: self._start, RUNNING: self._supervise, RESTARTING: self._decide}[self.state]()
+        if self.series is not None:
+            self.series.state(self.state)
         return self.state
 
     # ---------------------------------------------------------------- states
@@ -604,6 +609,11 @@ def run(job: Job, group_cls: Callable[..., WorkerGroup] | None = None,
         standby = spec.failure.standby and spec.failure.max_restarts > 0
         resources = RayResources(group_cls or RayWorkerGroup, standby_enabled=standby,
                                  standby_check_s=limits.standby_check_s)
+    series = None
+    if spec.output.metrics and resources_are_ray(resources):
+        from raytf.metrics import JobSeries
+
+        series = JobSeries(spec.name)
     say = display.message if display else print
     tracked = tracking.open_job_run(job, say, tracking_parent)  # a dead server: an error before Ray works
     if tracked is not None:
@@ -611,11 +621,18 @@ def run(job: Job, group_cls: Callable[..., WorkerGroup] | None = None,
     env = code_env if code_env is not None else upload_code(runtime_env(job), verbose=verbose,
                                                              note=display.message if display else None)
     controller = Controller(job, resources, env=env, limits=limits, clock=clock, display=display, resume=resume,
-                            on_epoch=on_epoch, placement_group=placement_group, attempts=attempts)
+                            on_epoch=on_epoch, placement_group=placement_group, attempts=attempts, series=series)
     try:
         return controller.run()
     finally:
         tracking.finish_job_run(tracked, job, controller.result)
+
+
+def resources_are_ray(resources: Resources) -> bool:
+    """Whether the job runs on Ray (not on a test's fake resources): only then are Ray metrics recorded."""
+    from raytf.driver.ray_group import RayResources
+
+    return isinstance(resources, RayResources)
 
 
 def _both(first: Callable[[dict[str, Any]], None],
