@@ -8,6 +8,8 @@ by the driver: JobSeries). Recording costs ~2.5 us a call and happens at most tw
 """
 from __future__ import annotations
 
+import threading
+
 TASK_TAGS = ("run", "role", "rank", "node")
 JOB_TAGS = ("run",)
 # Ray's default is 10 s between a value recorded and it in the endpoint; RAY_metrics_report_interval_ms,
@@ -46,66 +48,89 @@ class TaskSeries:
         self._timed = (0.0, 0.0)  # input wait and step seconds recorded so far
         self._gauges: dict = {}  # gauge -> its latest value
         self._current_phase: str | None = None
+        self._lock = threading.Lock()  # the loop's thread records, the actor's poll thread refreshes
 
     def stepped(self, steps: int, examples: int, global_step: int, epoch: int, loss: float | None) -> None:
-        if steps > 0:
-            self._steps.inc(steps)
-            self._examples.inc(examples)
-        self._gauges[self._global_step] = global_step
-        self._gauges[self._epoch] = epoch
-        if loss is not None and loss == loss:  # NaN is left out: the last finite loss stays
-            self._gauges[self._loss] = loss
+        with self._lock:
+            if steps > 0:
+                self._steps.inc(steps)
+                if examples > 0:
+                    self._examples.inc(examples)
+            self._gauges[self._global_step] = global_step
+            self._gauges[self._epoch] = epoch
+            if loss is not None and loss == loss:  # NaN is left out: the last finite loss stays
+                self._gauges[self._loss] = loss
         self.refresh()
 
     def refresh(self) -> None:
         """Set every gauge again: Ray drops a gauge not set for two export intervals (a task validating for
         minutes would vanish). The task actor calls this whenever the driver polls it."""
-        for gauge, value in list(self._gauges.items()):
-            gauge.set(value)
-        if self._current_phase is not None:
-            self._phase.set(1, {"phase": self._current_phase})
+        with self._lock:
+            for gauge, value in self._gauges.items():
+                gauge.set(value)
+            if self._current_phase is not None:
+                self._phase.set(1, {"phase": self._current_phase})
 
     def timed(self, input_wait_s: float, step_s: float) -> None:
         """The task's timing totals so far (they only grow): the counters get the difference."""
-        wait_before, step_before = self._timed
-        if input_wait_s > wait_before:
-            self._input_wait.inc(input_wait_s - wait_before)
-        if step_s > step_before:
-            self._step_time.inc(step_s - step_before)
-        self._timed = (max(input_wait_s, wait_before), max(step_s, step_before))
+        with self._lock:
+            wait_before, step_before = self._timed
+            if input_wait_s > wait_before:
+                self._input_wait.inc(input_wait_s - wait_before)
+            if step_s > step_before:
+                self._step_time.inc(step_s - step_before)
+            self._timed = (max(input_wait_s, wait_before), max(step_s, step_before))
 
     def phase(self, name: str) -> None:
-        if self._current_phase not in (None, name):
-            self._phase.set(0, {"phase": self._current_phase})
-        self._phase.set(1, {"phase": name})
-        self._current_phase = name
+        with self._lock:
+            if self._current_phase not in (None, name):
+                self._phase.set(0, {"phase": self._current_phase})
+            self._phase.set(1, {"phase": name})
+            self._current_phase = name
 
     def checkpointed(self, seconds: float) -> None:
-        self._gauges[self._checkpoint] = seconds
-        self._checkpoint.set(seconds)
+        with self._lock:
+            self._gauges[self._checkpoint] = float(seconds)
+            self._checkpoint.set(float(seconds))
 
 
 class JobSeries:
-    """The job's own series, from the driver: its state and its restarts."""
+    """The job's own series, from the driver: its state and its restarts. A thread sets the state again
+    every few seconds (Ray drops a gauge not set for two export intervals, and reserving or starting may
+    block the driver for minutes); close() ends it."""
+
+    REFRESH_S = 5.0
 
     def __init__(self, run: str):
         from ray.util import metrics
 
         self._state = metrics.Gauge("raytf_job_state", "1 for the state the job is in (placing, starting, running, "
                                                        "restarting, done, failed, interrupted), 0 for those it "
-                                                       "left.",
-                                    (*JOB_TAGS, "state"))
-        self._restarts = metrics.Counter("raytf_restarts", "Restarts of the job after a failure or a preemption.",
-                                         JOB_TAGS)
+                                                       "left.", (*JOB_TAGS, "state"))
+        self._restarts = metrics.Counter("raytf_restarts", "Restarts of the job after a failure or a preemption "
+                                                           "(a failure that ends the job is not one).", JOB_TAGS)
         for series in (self._state, self._restarts):
             series.set_default_tags({"run": run})
         self._current: str | None = None
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        threading.Thread(target=self._keep_alive, name="raytf-job-series", daemon=True).start()
 
     def state(self, name: str) -> None:
-        """Called at every step of the controller (each poll): a gauge not set again is dropped by Ray."""
-        if self._current not in (None, name):
-            self._state.set(0, {"state": self._current})
-            if name == "restarting":
-                self._restarts.inc(1)
-        self._state.set(1, {"state": name})
-        self._current = name
+        """Called at every step of the controller (each poll)."""
+        with self._lock:
+            if self._current not in (None, name):
+                self._state.set(0, {"state": self._current})
+                if self._current == "restarting" and name == "placing":  # a restart goes ahead
+                    self._restarts.inc(1)
+            self._state.set(1, {"state": name})
+            self._current = name
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def _keep_alive(self) -> None:
+        while not self._closed.wait(self.REFRESH_S):
+            with self._lock:
+                if self._current is not None:
+                    self._state.set(1, {"state": self._current})

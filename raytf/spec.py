@@ -274,7 +274,7 @@ class TrainSpec(_Strict):
     deterministic: bool = Field(default=False, description=(
         "A reproducible run: TensorFlow's op determinism, and Dropout's random state kept in checkpoints, so a run "
         "killed and resumed ends with the weights of one never interrupted (the same spec, checkpoint settings "
-        "included). Turns output.timing off: TensorFlow refuses timestamps under op determinism. Not with parameter_server, "
+        "included; a train_fn's own random state is its to checkpoint). Turns output.timing off: TensorFlow refuses timestamps under op determinism. Not with parameter_server, "
         "failure.elastic, data.cache or dataset_fn."))
 
     @property

@@ -60,6 +60,23 @@ def tracking_uri(uri: str, job_dir: Path) -> str:
     return uri
 
 
+def sqlite_artifacts(uri: str) -> str | None:
+    """A SQLite store's artifacts: beside the database (MLflow's default is ./mlruns in whatever folder the
+    process happens to be in; a sweep's trials are elsewhere)."""
+    scheme = "sqlite:///"
+    return str(Path(uri[len(scheme):]).parent / "mlartifacts") if uri.startswith(scheme) else None
+
+
+def local_store(job) -> list[Path]:
+    """The files a local tracking store keeps (its database, its artifacts), for packaging to leave out."""
+    section = job.spec.tracking.mlflow
+    if section is None:
+        return []
+    uri = tracking_uri(section.uri, job.job_dir)
+    artifacts = sqlite_artifacts(uri)
+    return [Path(uri[len("sqlite:///"):]), Path(artifacts)] if artifacts else []
+
+
 def probe(uri: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
     """An http(s) tracking server answers its /health endpoint; raises TrackingUnavailable if not. Without
     this, MLflow's client retries a dead server with backoff for minutes before it says anything."""
@@ -88,7 +105,9 @@ class MlflowRun:
 
     def __init__(self, client, run_id: str, warn: Callable[[str], None]):
         self.client, self.run_id, self.warn = client, run_id, warn
-        self._failed_once = False
+        # After one failed call, only the run's end is still tried: each call to a server gone away waits
+        # out MLflow's timeout, in the driver's poll (it would delay the hang watchdog and drain deadlines).
+        self._broken = False
 
     @classmethod
     def open(cls, uri: str, experiment: str, run_name: str, params: Mapping[str, str], *,
@@ -98,14 +117,14 @@ class MlflowRun:
         server is not there or refuses."""
         # A dead server must not hold a job for minutes in MLflow's retries (the user can still set these).
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         probe(uri)
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
         try:
             client = MlflowClient(tracking_uri=uri)
-            experiment_id = _experiment_id(client, experiment)
+            experiment_id = _experiment_id(client, experiment, sqlite_artifacts(uri))
             all_tags = {"raytf.run": run_name, **(tags or {})}
             if parent_run_id:
                 all_tags["mlflow.parentRunId"] = parent_run_id
@@ -141,6 +160,7 @@ class MlflowRun:
 
     def end(self, status: str) -> None:
         """`status`: raytf's (succeeded, failed, interrupted)."""
+        self._broken = False
         self._try(lambda: self.client.set_terminated(self.run_id, status=STATUS.get(status, "FAILED")))
 
     def end_children(self) -> None:
@@ -155,20 +175,22 @@ class MlflowRun:
         self._try(close)
 
     def _try(self, call: Callable[[], Any]) -> None:
+        if self._broken:
+            return
         try:
             call()
         except Exception as exc:
-            if not self._failed_once:
-                self._failed_once = True
-                self.warn(f"raytf: tracking.mlflow: {clip(str(exc))}; training goes on, result.json keeps the run")
+            self._broken = True
+            self.warn(f"raytf: tracking.mlflow: {clip(str(exc))}; MLflow is left out from here, training goes on "
+                      f"(result.json keeps the run)")
 
 
-def _experiment_id(client, name: str) -> str:
+def _experiment_id(client, name: str, artifact_location: str | None = None) -> str:
     found = client.get_experiment_by_name(name)
     if found is not None:
         return found.experiment_id
     try:
-        return client.create_experiment(name)
+        return client.create_experiment(name, artifact_location=artifact_location)
     except Exception:  # another trial made it meanwhile
         found = client.get_experiment_by_name(name)
         if found is None:
@@ -193,12 +215,17 @@ def open_job_run(job, warn: Callable[[str], None], parent_run_id: str | None = N
                           tags={"raytf.output_dir": job.output_where}, warn=warn)
 
 
-def finish_job_run(run: MlflowRun | None, job, result) -> None:
-    """The run's artifacts (result.json always; the exported model on success) and its status."""
+def finish_job_run(run: MlflowRun | None, job, result, error: BaseException | None = None) -> None:
+    """The run's artifacts (result.json, if written; the exported model on success) and its status. No
+    result: the job ended before its controller ran (`error` says how)."""
     if run is None:
         return
     out = job.output_dir
     paths = [out / "result.json"]
+    if result is None:
+        run.log_artifacts(paths)
+        run.end("interrupted" if isinstance(error, KeyboardInterrupt) else "failed")
+        return
     if result.status == "succeeded":
         prefix = job.output_where.rstrip("/") + "/"
         paths += [out / loc[len(prefix):] for loc in result.exports.values() if loc.startswith(prefix)]

@@ -457,47 +457,48 @@ def run(prepared: PreparedSweep, display: ProgressDisplay | None = None, resume:
         resources = lambda config: _suggested_resources(suggested, config)  # noqa: E731
     pauses = _pauses(section)
     parent = tracking.open_sweep_run(prepared, display.message)  # None without tracking.mlflow
-    trainable = tune.with_resources(tune.with_parameters(
-        _run_trial, jobs=prepared.jobs, code_env=code_env, suggested=suggested, pauses=pauses,
-        tracking_parent=parent.run_id if parent else None), resources=resources)
-    started = time.time()
-    if restoring:
-        display.message(f"raytf: resuming the sweep in {experiment}")
-        tuner = tune.Tuner.restore(experiment, trainable=trainable, resume_unfinished=True)
-    else:
-        descriptions = {p.id: p.describe() for p in prepared.points}
-        epochs = {pid: j.spec.train.epochs for pid, j in prepared.jobs.items()} or {"*": prepared.max_t}
-        trial_name = functools.partial(_trial_name, section=section)
-        if suggested is None:  # Tune runs the points drawn up front, one trial each
-            param_space, num_samples = {"point": tune.grid_search([p.id for p in prepared.points])}, 1
-        else:
-            param_space, num_samples = search.param_space(section), section.num_samples
-        tuner = tune.Tuner(
-            trainable,
-            param_space=param_space,
-            tune_config=tune.TuneConfig(metric=section.metric, mode=section.mode,
-                                        scheduler=search.scheduler(section, prepared.max_t),
-                                        search_alg=search.search_algorithm(section), num_samples=num_samples,
-                                        max_concurrent_trials=None if search.creates_every_trial_at_once(section)
-                                        else limit,
-                                        trial_name_creator=trial_name,
-                                        trial_dirname_creator=trial_name),
-            run_config=tune.RunConfig(name=EXPERIMENT, storage_path=where, verbose=0,
-                                      # a paused or exploited trial starts from its last report's checkpoint
-                                      # (pbt: all of them, or a donor's may go before a waiting trial takes it)
-                                      checkpoint_config=tune.CheckpointConfig(
-                                          num_to_keep=4 if pauses and section.scheduler.name == "hyperband" else None),
-                                      callbacks=[_progress_callback(display.quiet, descriptions, section.metric,
-                                                                    epochs, section, suggested)]),
-        )
     finished, ended = False, "failed"
-    try:
+    try:  # from the parent run's opening on: whatever ends the sweep closes it
+        trainable = tune.with_resources(tune.with_parameters(
+            _run_trial, jobs=prepared.jobs, code_env=code_env, suggested=suggested, pauses=pauses,
+            tracking_parent=parent.run_id if parent else None), resources=resources)
+        started = time.time()
+        if restoring:
+            display.message(f"raytf: resuming the sweep in {experiment}")
+            tuner = tune.Tuner.restore(experiment, trainable=trainable, resume_unfinished=True)
+        else:
+            descriptions = {p.id: p.describe() for p in prepared.points}
+            epochs = {pid: j.spec.train.epochs for pid, j in prepared.jobs.items()} or {"*": prepared.max_t}
+            trial_name = functools.partial(_trial_name, section=section)
+            if suggested is None:  # Tune runs the points drawn up front, one trial each
+                param_space, num_samples = {"point": tune.grid_search([p.id for p in prepared.points])}, 1
+            else:
+                param_space, num_samples = search.param_space(section), section.num_samples
+            tuner = tune.Tuner(
+                trainable,
+                param_space=param_space,
+                tune_config=tune.TuneConfig(metric=section.metric, mode=section.mode,
+                                            scheduler=search.scheduler(section, prepared.max_t),
+                                            search_alg=search.search_algorithm(section), num_samples=num_samples,
+                                            max_concurrent_trials=None if search.creates_every_trial_at_once(section)
+                                            else limit,
+                                            trial_name_creator=trial_name,
+                                            trial_dirname_creator=trial_name),
+                run_config=tune.RunConfig(name=EXPERIMENT, storage_path=where, verbose=0,
+                                          # a paused or exploited trial starts from its last report's checkpoint
+                                          # (pbt: all of them, or a donor's may go before a waiting trial takes it)
+                                          checkpoint_config=tune.CheckpointConfig(
+                                              num_to_keep=4 if pauses and section.scheduler.name == "hyperband" else None),
+                                          callbacks=[_progress_callback(display.quiet, descriptions, section.metric,
+                                                                        epochs, section, suggested)]),
+            )
         with _quiet_tune_console():
             tuner.fit()
         wall = time.time() - started
         result = _collect(prepared, experiment, limit, started, wall, float(ray.cluster_resources().get("CPU", 0)),
                           suggested)
-        finished, ended = True, "succeeded"
+        # Tune takes the first Ctrl-C itself: fit() returns, and the sweep is interrupted, not finished
+        finished, ended = True, "interrupted" if result.interrupted else "succeeded"
         return result
     except KeyboardInterrupt:
         ended = "interrupted"

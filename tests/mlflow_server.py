@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import os
 import socket
 import subprocess
 import sys
@@ -69,7 +70,9 @@ def start_in_background() -> None:
     _proc = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
          "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination", str(root / "artifacts")],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        # no background job runner: its seven huey consumers poll for jobs (a third of a core, all session long)
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
     atexit.register(_stop)
     _server = Mlflow(uri=f"http://127.0.0.1:{port}", root=root)
 
@@ -93,7 +96,6 @@ def server() -> Mlflow:
 
 def _stop() -> None:
     if _proc is not None and _proc.poll() is None:
-        import os
         import signal
 
         os.killpg(_proc.pid, signal.SIGTERM)

@@ -1,6 +1,5 @@
 """Real jobs on a local multi-node Ray cluster (ray.cluster_utils.Cluster): two GPU nodes with logical
 GPUs, real actors, real TF gRPC between them, real Parquet, real files written."""
-import concurrent.futures
 import json
 import socket
 import subprocess
@@ -17,31 +16,18 @@ from raytf.driver.ray_group import RayWorkerGroup
 from raytf.errors import PlacementTimeout, TrainingFailed
 from raytf.job import load
 from tests.conftest import REPO, assert_nothing_left, base_spec, write_job
-from tests import prometheus
 from tests.mlflow_server import sha256
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
 
 def test_two_workers_on_two_gpu_nodes_train_to_identical_weights(cluster, job_dir, mlflow):
-    """...and each rank's step count grows in its node's Prometheus endpoint (Ray's metrics API) while it
-    trains; and the run is in MLflow (a real server): params, a point per epoch, the model, FINISHED."""
+    """...and the run is in MLflow (a real server): params, a point per epoch, the model, FINISHED."""
     _, gpu_nodes = cluster
     spec = base_spec(name="two-nodes", train={"epochs": 3, "global_batch_size": 64},
                      cluster={"workers": 2, "cpus_per_worker": 0.5, "gpus_per_worker": 1, "placement": "strict_spread"},
                      tracking={"mlflow": {"uri": mlflow.uri, "experiment": "two-gpu-nodes"}})
-    seen: dict[str, list[float]] = {"0": [], "1": []}  # rank -> its ray_raytf_steps_total, scrape after scrape
-    states: set[str] = set()  # the job's states, from the driver's series
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        running = pool.submit(raytf.fit, write_job(job_dir, spec))
-        while not running.done():
-            for labels, value in prometheus.scrape("ray_raytf_steps_total"):
-                if labels["run"] == "two-nodes":
-                    seen[labels["rank"]].append(value)
-            states |= {labels["state"] for labels, value in prometheus.scrape("ray_raytf_job_state")
-                       if labels["run"] == "two-nodes" and value == 1}
-            time.sleep(0.25)
-        result = running.result()
+    result = raytf.fit(write_job(job_dir, spec))
 
     assert result.status == "succeeded"
     nodes = {t["node_id"] for t in result.tasks}
@@ -51,25 +37,6 @@ def test_two_workers_on_two_gpu_nodes_train_to_identical_weights(cluster, job_di
     assert [t["rank"] for t in result.tasks] == [0, 1] and result.tasks[0]["role"] == "chief"
     digests = {t["weights_digest"] for t in result.tasks}
     assert len(digests) == 1  # bit-identical weights on every worker
-
-    steps = {t["rank"]: t["steps"] for t in result.tasks}
-    deadline = time.time() + 10
-    while True:  # every step counted, tagged with the task's run, role, rank and node
-        final = {labels["rank"]: (labels, value) for labels, value in prometheus.scrape("ray_raytf_steps_total")
-                 if labels["run"] == "two-nodes"}
-        if {r: v for r, (_, v) in final.items()} == {str(r): float(n) for r, n in steps.items()} or time.time() > deadline:
-            break
-        time.sleep(0.5)
-    assert {r: v for r, (_, v) in final.items()} == {str(r): float(n) for r, n in steps.items()} == {"0": 66.0, "1": 66.0}
-    for task in result.tasks:
-        labels = final[str(task["rank"])][0]
-        assert (labels["role"], labels["node"]) == ("worker", task["node_id"])
-    for rank, values in seen.items():  # recorded as it trained: growing from a count below the end, never back
-        assert values and values == sorted(values) and values[0] < final[rank][1], (rank, values)
-    for series in ("ray_raytf_examples_total", "ray_raytf_step_seconds_total", "ray_raytf_input_wait_seconds_total"):
-        ranks = {labels["rank"] for labels, value in prometheus.scrape(series) if labels["run"] == "two-nodes" and value > 0}
-        assert ranks == {"0", "1"}, series
-    assert "running" in states, states
 
     losses = [h["loss"] for h in result.history]
     assert len(losses) == 3 and losses[-1] < losses[0] * 0.5

@@ -1,9 +1,11 @@
 """Checkpoints and recovery on the local multi-node cluster: a dead or hung worker costs at most one
 checkpoint interval, never a hang; restarts are bounded; resume continues where a run stopped."""
+import concurrent.futures
 import json
 import os
 import shutil
 import tempfile
+import time
 
 import pytest
 
@@ -12,6 +14,7 @@ from raytf.checkpoint import Storage
 from raytf.driver.controller import run
 from raytf.errors import SpecError
 from raytf.job import load
+from tests import prometheus
 from tests.conftest import assert_nothing_left, base_spec, task_files_in_temp_dir, write_job
 from tests.faults import Killer, rank_one_data
 from tests.test_scratch import made_by_a_process_that_exited
@@ -46,12 +49,24 @@ def uninterrupted(cluster, tmp_path_factory):
 
 
 def test_a_killed_worker_costs_one_restart_and_the_run_ends_where_it_would_have(cluster, job_dir, uninterrupted):
+    """...and Prometheus sees it (each node's metrics endpoint, Ray's metrics API): each rank's step count
+    grows while it trains, each process counts the steps it ran, and the driver counts one restart."""
     _, baseline, _ = uninterrupted
     # What an earlier task killed on this node left (its disk cache): the tasks of this job sweep it.
     left_by_a_killed_task = made_by_a_process_that_exited(tempfile.gettempdir())
     temp_before = task_files_in_temp_dir()
     killer = Killer(rank=1, at_step=130, attempts={1})
-    result = run(load(write_job(job_dir, ft_spec(job_dir))), group_cls=killer.group_cls)
+    job = load(write_job(job_dir, ft_spec(job_dir, name="killed")))
+    counted: dict[str, list[float]] = {"0": [], "1": []}  # rank -> its steps counted so far, scrape after scrape
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(run, job, group_cls=killer.group_cls)
+        while not running.done():
+            series = [(labels, value) for labels, value in prometheus.scrape("ray_raytf_steps_total")
+                      if labels["run"] == "killed"]
+            for rank in counted:  # every process the rank had (a restarted task is a new one)
+                counted[rank].append(sum(value for labels, value in series if labels["rank"] == rank))
+            time.sleep(0.2)
+        result = running.result()
 
     assert killer.killed_at, "the worker was never killed"
     assert len(result.restarts) == 1
@@ -72,9 +87,26 @@ def test_a_killed_worker_costs_one_restart_and_the_run_ends_where_it_would_have(
     for resumed, uninterrupted in zip(result.history, baseline.history):
         assert resumed["loss"] == pytest.approx(uninterrupted["loss"], rel=0.05, abs=0.01)
         assert resumed["accuracy"] == pytest.approx(uninterrupted["accuracy"], abs=0.02)
-    saved = json.loads((job_dir / "runs" / "t" / "result.json").read_text())
+    saved = json.loads((job_dir / "runs" / "killed" / "result.json").read_text())
     assert saved["restarts"][0]["resumed_from_step"] == restart["resumed_from_step"]
     assert len(Storage(str(job_dir / "ckpt")).list()) == 2  # checkpoint.keep
+
+    for rank, values in counted.items():  # read while it trained: growing, never going back
+        assert values == sorted(values) and len({v for v in values if v > 0}) >= 2, (rank, values)
+    after_restart = planned - restart["resumed_from_step"]
+    deadline = time.time() + 15
+    while True:  # the restarted processes' counts are exactly the steps they ran; the driver's restart count
+        series = [(labels, value) for labels, value in prometheus.scrape("ray_raytf_steps_total")
+                  if labels["run"] == "killed"]
+        restarts = [value for labels, value in prometheus.scrape("ray_raytf_restarts_total") if labels["run"] == "killed"]
+        done = {labels["rank"] for labels, value in series if value == after_restart} == {"0", "1"} and restarts == [1]
+        if done or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    assert done, (series, restarts)
+    for task in result.tasks:
+        tags = {(labels["role"], labels["node"]) for labels, _ in series if labels["rank"] == str(task["rank"])}
+        assert tags == {("worker", task["node_id"])}  # its run, role, rank and node (both processes: one node)
     assert_nothing_left()
     assert not os.path.exists(left_by_a_killed_task)
     assert task_files_in_temp_dir() - temp_before == set()  # the killed worker's folder went too

@@ -29,6 +29,7 @@ class RecordingRunner:
     steps = STEPS_PER_EPOCH
     optimizer = None
     validates = True
+    own_timing = True
     train_acc = eval_acc = Sums()
 
     def __init__(self, during_validation=None):

@@ -57,6 +57,7 @@ def only(name):
 
 def test_every_step_is_counted_once_though_the_series_are_updated_twice_a_second(series):
     channel = TaskChannel(1, full_update_s=0.05, series=series)
+    channel.start_at(100)  # as the loop does: it resumed at step 100
     totals = {"input_wait_s": 0.0, "step_s": 0.0}
     channel.timing_source = lambda: dict(totals)
     for step in range(1, 41):
@@ -84,7 +85,7 @@ def test_the_phase_is_one_for_the_current_and_zero_for_the_one_left_and_a_poll_s
     assert only("raytf_global_step") == 11 and only("raytf_task_phase") == 1
 
 
-def test_the_jobs_state_counts_a_restart_once_per_restart(monkeypatch):
+def test_the_jobs_state_counts_a_restart_that_goes_ahead_and_not_the_failure_that_ends_it(monkeypatch):
     from ray.util import metrics
 
     registry.clear()
@@ -93,12 +94,15 @@ def test_the_jobs_state_counts_a_restart_once_per_restart(monkeypatch):
     from raytf.metrics import JobSeries
 
     job = JobSeries("digits")
-    for state in ("placing", "starting", "running", "running", "restarting", "restarting", "placing", "running",
-                  "restarting", "done"):
-        job.state(state)
-    assert only("raytf_restarts") == 2
+    try:  # as the controller steps: one failure restarted, then one that the restart policy gives up on
+        for state in ("placing", "starting", "running", "running", "restarting", "placing", "starting", "running",
+                      "restarting", "failed"):
+            job.state(state)
+    finally:
+        job.close()
+    assert only("raytf_restarts") == 1
     states = {dict(k)["state"]: v for k, v in registry["raytf_job_state"].values.items()}
-    assert states == {"placing": 0, "starting": 0, "running": 0, "restarting": 0, "done": 1}
+    assert states == {"placing": 0, "starting": 0, "running": 0, "restarting": 0, "failed": 1}
 
 
 def test_a_train_fns_steps_since_the_last_update_are_counted_at_its_epochs_end(series):
@@ -107,6 +111,30 @@ def test_a_train_fns_steps_since_the_last_update_are_counted_at_its_epochs_end(s
         channel.train_step(epoch=1, step=step, steps=None, global_step=step, loss=0.3, examples=16)
     channel.epoch_end({"epoch": 1, "loss": 0.3})
     assert only("raytf_steps") == 7 and only("raytf_examples") == 7 * 16 and only("raytf_global_step") == 7
+
+
+def test_steps_are_counted_from_the_global_step_a_restore_and_a_once_an_epoch_ctx_step_included(series):
+    import numpy as np
+
+    channel = TaskChannel(0, full_update_s=0, series=series)
+    channel.start_at(100)  # a checkpoint restored at step 100: those steps are not this process's
+    for epoch, step in ((1, np.int64(150)), (2, np.int64(200))):  # ctx.step(optimizer.iterations.numpy())
+        channel.train_step(epoch=epoch, step=50, steps=50, global_step=step, loss=np.float32(0.25), examples=32)
+    assert only("raytf_steps") == 100 and only("raytf_examples") == 100 * 32
+    assert only("raytf_global_step") == 200 and type(only("raytf_global_step")) is int
+
+
+def test_a_failing_metrics_call_is_said_once_and_training_goes_on(series, capsys, monkeypatch):
+    def broken(*args, **kwargs):
+        raise TypeError("value must be int or float")
+
+    monkeypatch.setattr(series, "stepped", broken)
+    channel = TaskChannel(3, full_update_s=0, series=series)
+    for step in (1, 2, 3):
+        channel.train_step(epoch=1, step=step, steps=3, global_step=step, loss=0.5, examples=8)
+    channel.phase("validating")
+    assert channel.progress().global_step == 3  # the channel itself goes on
+    assert capsys.readouterr().out.count("output.metrics stopped") == 1
 
 
 def test_the_grafana_dashboard_queries_only_series_raytf_records():

@@ -67,3 +67,36 @@ def test_a_tracking_server_that_is_not_there_is_exit_1_before_ray_starts(job_dir
                      f"remove tracking from the spec"], proc.stderr
     assert not (job_dir / "runs").exists()  # nothing written, no Ray started
     assert "Started a local Ray" not in proc.stderr and time.monotonic() - started < 30
+
+
+class RecordedRun:
+    """Stands in for an open MLflow run at the tracking seam."""
+
+    def __init__(self):
+        self.calls = []
+
+    def log_epoch(self, metrics):
+        self.calls.append(("epoch", metrics.get("epoch")))
+
+    def log_artifacts(self, paths):
+        self.calls.append(("artifacts", sorted(p.name for p in paths if p.exists())))
+
+    def end(self, status):
+        self.calls.append(("end", status))
+
+
+@pytest.mark.parametrize("raised,status", [(KeyboardInterrupt(), "interrupted"), (OSError("upload refused"), "failed")])
+def test_a_run_that_ends_before_its_controller_runs_is_closed_with_its_status(job_dir, monkeypatch, raised, status):
+    from raytf.driver import controller
+
+    recorded = RecordedRun()
+    monkeypatch.setattr(tracking, "open_job_run", lambda job, say, parent=None: recorded)
+
+    def refuse(*args, **kwargs):  # the job folder's upload, or the controller's set-up, ends the run
+        raise raised
+
+    monkeypatch.setattr(controller, "Controller", refuse)
+    job = load(write_job(job_dir, base_spec(tracking={"mlflow": {"uri": "http://127.0.0.1:9"}})), check_code=False)
+    with pytest.raises(type(raised)):
+        controller.run(job, resources=object(), code_env={})
+    assert recorded.calls == [("artifacts", []), ("end", status)]  # no result.json was written: none is logged

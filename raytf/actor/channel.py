@@ -19,8 +19,9 @@ class TaskChannel:
         """`series`: the task's Prometheus series (raytf.metrics.TaskSeries), updated with each full update."""
         self._lock = threading.Lock()
         self._series = series
-        self._unrecorded_steps = 0  # steps since the series were last updated
-        self._examples_per_step = 0
+        self._counted_to = 0  # the global step the series have counted up to (a restore's, at first)
+        self._batch = 0  # examples per step, as the last step said
+        self._series_failed = False
         # set by the loop when it times its steps: () -> {"input_wait_s", "step_s", ...} so far, or None
         self.timing_source: Callable[[], dict[str, Any] | None] | None = None
         self._full_update_s = full_update_s  # between steps' full updates (loss, rate); the step itself always
@@ -58,16 +59,14 @@ class TaskChannel:
         """How long the last checkpoint took: the driver compares it with a draining node's deadline."""
         with self._lock:
             self._progress = dataclasses.replace(self._progress, checkpoint_s=round(seconds, 3))
-        if self._series is not None:
-            self._series.checkpointed(seconds)
+        self._to_series(lambda: self._series.checkpointed(seconds))
 
     # -- progress, called on every step; cheap unless a full update is due
     def train_step(self, epoch: int, step: int, steps: int | None, global_step: int, loss, examples: int) -> None:
         now = time.time()
         if self.first_step_at is None:
             self.first_step_at = now
-        self._unrecorded_steps += 1
-        self._examples_per_step = examples
+        self._batch = examples
         if now - self._last_full[0] < self._full_update_s and step != steps:
             with self._lock:
                 self._progress = dataclasses.replace(self._progress, global_step=global_step, updated=now)
@@ -80,16 +79,35 @@ class TaskChannel:
                 loss=float("nan") if loss is None else float(loss), examples_seen=examples * global_step, updated=now,
                 # since the last full update: a drain's stop step
                 steps_per_s=round(rate, 2) if rate is not None else self._progress.steps_per_s)
-        if self._series is not None:
-            self._record(epoch, global_step, loss, examples)
+        self._record(epoch, global_step, loss, examples)
+
+    def start_at(self, global_step: int) -> None:
+        """The step training starts from (0, or a restored checkpoint's): the series count the steps after it."""
+        self._counted_to = int(global_step)
 
     def _record(self, epoch: int, global_step: int, loss, examples: int) -> None:
-        steps, self._unrecorded_steps = self._unrecorded_steps, 0
-        self._series.stepped(steps, steps * examples, global_step, epoch, None if loss is None else float(loss))
-        self._series.phase("train")
-        timing = self.timing_source() if self.timing_source is not None else None
-        if timing:
-            self._series.timed(timing["input_wait_s"], timing["step_s"])
+        """Steps counted from the global step, not from calls: a train_fn may say its step once an epoch."""
+        steps = max(0, int(global_step) - self._counted_to)
+        self._counted_to = max(self._counted_to, int(global_step))
+
+        def record():
+            self._series.stepped(steps, steps * examples, int(global_step), int(epoch),
+                                 None if loss is None else float(loss))
+            self._series.phase("train")
+            timing = self.timing_source() if self.timing_source is not None else None
+            if timing:
+                self._series.timed(timing["input_wait_s"], timing["step_s"])
+        self._to_series(record)
+
+    def _to_series(self, call: Callable[[], None]) -> None:
+        """Metrics never stop training: a failing call is said once (in the task's log) and they stop."""
+        if self._series is None or self._series_failed:
+            return
+        try:
+            call()
+        except Exception as exc:
+            self._series_failed = True
+            print(f"raytf: rank {self._progress.rank}: output.metrics stopped: {type(exc).__name__}: {exc}", flush=True)
 
     def work_done(self) -> None:
         """A unit of work finished that is not an optimizer step this task took (a parameter-server worker
@@ -102,8 +120,7 @@ class TaskChannel:
         with self._lock:
             self._progress = dataclasses.replace(self._progress, phase=name, updated=time.time())
         self._last_full = (0.0, 0)  # steps_per_s starts over after this: it measures stepping only
-        if self._series is not None:
-            self._series.phase(name)
+        self._to_series(lambda: self._series.phase(name))
 
     def epoch_end(self, metrics: dict[str, Any]) -> None:
         if self.first_step_at is None:  # a train_fn that reports epochs and no step
@@ -113,10 +130,10 @@ class TaskChannel:
             self._progress = dataclasses.replace(self._progress, phase="epoch_end", updated=time.time())
         self._last_full = (0.0, 0)
         if self._series is not None:
-            if self._unrecorded_steps:  # a train_fn's steps since the last update (it may not say its last step)
-                p = self._progress
-                self._record(p.epoch or 0, p.global_step, p.loss, self._examples_per_step)
-            self._series.phase("epoch_end")
+            p = self._progress
+            if p.global_step > self._counted_to:  # steps since the last full update (a train_fn's last ones)
+                self._record(p.epoch or 0, p.global_step, p.loss, self._batch)
+            self._to_series(lambda: self._series.phase("epoch_end"))
 
     def evaluation(self, metrics: dict[str, Any]) -> None:
         """The evaluator side-car's result for one checkpoint."""
@@ -126,8 +143,7 @@ class TaskChannel:
 
     def progress(self) -> Progress:
         """The latest step, and every epoch's metrics so far (so a slow poller misses none)."""
-        if self._series is not None:
-            self._series.refresh()
+        self._to_series(lambda: self._series.refresh())
         with self._lock:
             return dataclasses.replace(self._progress, epochs=tuple(self._epochs), evaluations=tuple(self._evaluations),
                                        cpu_s=time.process_time())

@@ -83,6 +83,7 @@ class TaskContext:
         """A train_fn's checkpoint was restored: ctx.report goes on numbering its epochs from there."""
         self.history = [dict(h) for h in history]
         self.global_step = self.restored_step = step
+        self.channel.start_at(step)
         self.channel.phase("train")
 
     # -- for train_fn users

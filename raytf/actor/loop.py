@@ -37,6 +37,7 @@ class Runner(Protocol):
     eval_acc: steps_lib.Accumulator
     state: tf.train.Checkpoint  # what a checkpoint holds
     validates: bool  # whether each epoch ends with a pass over the validation rows here
+    own_timing: bool  # whether timing()'s "worker-<rank>" is this task's own steps (not a coordinator's view)
 
     def start_epoch(self, epoch: int, totals: np.ndarray | None) -> None: ...  # totals: restored sums
     # runs up to `count` steps, yielding each loss (or None); no new step once `stopping()` is true
@@ -72,7 +73,9 @@ def run(runner: Runner, payload: WorkerPayload, ctx: TaskContext) -> Outcome:
     every_kind, every = spec.checkpoint.interval
     trace = StepTrace(spec.output.profile, ctx)
     timing = TimingEvents(ctx) if spec.output.tensorboard else None
-    ctx.channel.timing_source = lambda: runner.timing().get(f"worker-{ctx.rank}")  # for output.metrics
+    ctx.channel.start_at(position.global_step)
+    if runner.own_timing:  # for output.metrics (the ps chief's timing holds every worker's, not its own)
+        ctx.channel.timing_source = lambda: runner.timing().get(f"worker-{ctx.rank}")
     for epoch in range(position.epoch, spec.train.epochs + 1):
         started = time.time()
         resuming = epoch == position.epoch and position.step_in_epoch > 0

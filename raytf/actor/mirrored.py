@@ -62,6 +62,8 @@ class MirroredRunner:
     gradient all-reduce the step's only collective); metric deltas add up in a per-worker accumulator,
     all-reduced when the loop asks for the epoch's sums (at its end, and at a mid-epoch checkpoint)."""
 
+    own_timing = True  # raytf.actor.loop.Runner
+
     def __init__(self, strategy: tf.distribute.Strategy, payload: WorkerPayload, ctx: TaskContext):
         spec = payload.spec
         self.strategy, self.payload, self.ctx = strategy, payload, ctx

@@ -618,14 +618,23 @@ def run(job: Job, group_cls: Callable[..., WorkerGroup] | None = None,
     tracked = tracking.open_job_run(job, say, tracking_parent)  # a dead server: an error before Ray works
     if tracked is not None:
         on_epoch = _both(tracked.log_epoch, on_epoch)
-    env = code_env if code_env is not None else upload_code(runtime_env(job), verbose=verbose,
-                                                             note=display.message if display else None)
-    controller = Controller(job, resources, env=env, limits=limits, clock=clock, display=display, resume=resume,
-                            on_epoch=on_epoch, placement_group=placement_group, attempts=attempts, series=series)
-    try:
+    controller = None
+    try:  # from the run's opening on: whatever ends it (the upload, Ctrl-C) closes it
+        env = code_env if code_env is not None else upload_code(runtime_env(job), verbose=verbose,
+                                                                 note=display.message if display else None)
+        controller = Controller(job, resources, env=env, limits=limits, clock=clock, display=display,
+                                resume=resume, on_epoch=on_epoch, placement_group=placement_group, attempts=attempts,
+                                series=series)
         return controller.run()
+    except BaseException as exc:
+        if controller is None:
+            tracking.finish_job_run(tracked, job, None, exc)
+        raise
     finally:
-        tracking.finish_job_run(tracked, job, controller.result)
+        if controller is not None:
+            tracking.finish_job_run(tracked, job, controller.result)
+        if series is not None:
+            series.close()
 
 
 def resources_are_ray(resources: Resources) -> bool:

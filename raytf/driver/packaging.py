@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from raytf import tracking
 from raytf.errors import SpecError
 from raytf.job import Job
 from raytf.job_code import modules_outside
@@ -131,6 +132,11 @@ def excludes_for(job: Job) -> list[str]:
             excludes.append(_pattern(Path(job.checkpoint_dir).resolve().relative_to(Path(job.job_dir).resolve())
                                      .as_posix()))
         except ValueError:  # outside the job folder
+            pass
+    for path in tracking.local_store(job):  # an MLflow SQLite store in the job folder stays behind too
+        try:
+            excludes.append(_pattern(path.resolve().relative_to(Path(job.job_dir).resolve()).as_posix()))
+        except ValueError:
             pass
     excludes += [_pattern(rel) for rel in earlier_outputs(job.job_dir, tuple(skip))]
     return excludes
