@@ -63,7 +63,7 @@ def check_train_fn_keras(spec: JobSpec, job_dir: Path) -> None:
     module_name, _, func_name = spec.train_fn.partition(":")
     source = module_source(module_name, job_dir)
     lines = fit_calls(source, func_name) if source is not None else []
-    if lines:
+    if lines and backends.get(spec.strategy).keras3_fit_problem:
         raise SpecError(f"train_fn {spec.train_fn} calls .fit() (line {lines[0]}): "
                         f"{backends.get(spec.strategy).keras3_fit_problem}; run it under tf.keras with train.keras: "
                         f"legacy (tf-keras: {LEGACY_INSTALL}), write the loop with "

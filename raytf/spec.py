@@ -489,9 +489,12 @@ class JobSpec(_Strict):
     base_dir: str | None = Field(default=None, description=(
         "The job folder: relative paths and module:function names resolve against it, and it travels to every actor. "
         "None: the job file's folder; a relative base_dir is relative to that folder."))
-    strategy: Literal["mirrored", "parameter_server"] = Field(default="mirrored", description=(
-        "mirrored: MultiWorkerMirroredStrategy, every worker a replica; parameter_server: ParameterServerStrategy, "
-        "variables on ps tasks."))
+    strategy: Literal["mirrored", "parameter_server", "one_device", "central_storage"] = Field(
+        default="mirrored", description=(
+            "mirrored: MultiWorkerMirroredStrategy, every worker a replica (one machine's GPUs included); "
+            "parameter_server: ParameterServerStrategy, variables on ps tasks; one_device: OneDeviceStrategy, one "
+            "task on one device (debugging); central_storage: CentralStorageStrategy, one task whose GPUs compute "
+            "and whose CPU holds the variables. TPUs: not run by raytf."))
     model: str | None = Field(default=None, pattern=FUNCTION_REF, description=(
         "A module:function returning an uncompiled keras.Model. Required unless train_fn is given."))
     data: DataSpec | None = Field(default=None, description=(
@@ -525,6 +528,26 @@ class JobSpec(_Strict):
         "already succeeded in output.dir. Resuming, checkpoints default to <output.dir>/checkpoints. --resume [auto] "
         "overrides it."))
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one_task_by_default(cls, data: Any) -> Any:
+        """one_device and central_storage are one task's strategies: cluster.workers defaults to 1 there."""
+        if isinstance(data, Mapping) and data.get("strategy") in ONE_TASK_STRATEGIES:
+            cluster = data.get("cluster") or {}
+            if isinstance(cluster, Mapping) and "workers" not in cluster:
+                data = {**data, "cluster": {**cluster, "workers": 1}}
+        return data
+
+    @field_validator("strategy", mode="before")
+    @classmethod
+    def _no_tpu(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.lower() in ("tpu", "tpustrategy", "tpu_strategy"):
+            raise ValueError(f"{value}: raytf does not run TPUs (its tasks are Ray actors on GPU and CPU nodes, and "
+                             f"TPUStrategy needs a TPU cluster resolver raytf does not set up); for TPUs use Ray's "
+                             f"TPU support on GKE with JAX, or TPUStrategy outside raytf; here, one of mirrored, "
+                             f"parameter_server, one_device, central_storage")
+        return value
+
     @field_validator("resume", mode="before")
     @classmethod
     def _resume_value(cls, value: Any) -> Any:
@@ -537,6 +560,9 @@ class JobSpec(_Strict):
     def _loss_as_spec(cls, value: Union[str, LossSpec]) -> LossSpec:
         return LossSpec(name=value) if isinstance(value, str) else value
 
+
+# The strategies that run one task (cluster.workers defaults to 1 for them).
+ONE_TASK_STRATEGIES = ("one_device", "central_storage")
 
 # The keys that name a `module:function` of the job's code.
 FUNCTION_KEYS = ("model", "dataset_fn", "train_fn", "data.preprocess", "data.preprocess_validation")

@@ -15,6 +15,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from raytf import backends
 from raytf.actor import export, inputs, loop
 from raytf.actor import steps as steps_lib
 from raytf.actor.context import TaskContext
@@ -168,5 +169,9 @@ class MirroredRunner:
 
     def finish(self) -> Outcome:
         exports = export.write(self.model, self.payload, self.ctx.staging_dir) if self.ctx.is_chief else {}
+        # where each variable lives, where that is a choice (central_storage: the CPU), not a copy per replica
+        central = not backends.get(self.payload.spec.strategy).replicated_variables
+        devices = {v.path: [v.value.device] for v in self.model.weights} if central else {}
         return Outcome(weights_digest=steps_lib.weights_digest(self.model), replicas=self.replicas,
-                       optimizer_steps=int(self.optimizer.iterations.numpy()), exports=exports)
+                       optimizer_steps=int(self.optimizer.iterations.numpy()), exports=exports,
+                       variable_devices=devices)

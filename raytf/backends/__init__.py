@@ -1,4 +1,5 @@
-"""Strategy backends: everything that differs between MultiWorkerMirrored and parameter servers, on the
+"""Strategy backends: everything that differs between MultiWorkerMirrored, parameter servers and the
+one-machine strategies (OneDevice, CentralStorage), on the
 driver's side (roles and bundles, rank assignment, spec rules, how each role is supervised). Each names
 the actor-side module that sets its tasks up and runs its steps. No TensorFlow here.
 
@@ -8,9 +9,10 @@ from __future__ import annotations
 
 from raytf.backends.base import Backend, RoleSupervision
 from raytf.backends.mirrored import MIRRORED
+from raytf.backends.one_machine import CENTRAL_STORAGE, ONE_DEVICE
 from raytf.backends.parameter_server import PARAMETER_SERVER
 
-BACKENDS: dict[str, Backend] = {b.name: b for b in (MIRRORED, PARAMETER_SERVER)}
+BACKENDS: dict[str, Backend] = {b.name: b for b in (MIRRORED, PARAMETER_SERVER, ONE_DEVICE, CENTRAL_STORAGE)}
 
 
 def get(strategy: str) -> Backend:
