@@ -19,7 +19,7 @@ from raytf import learning_rate, spec_rules, yaml_file
 from raytf.errors import SpecError, clip
 from raytf.job_code import check_job_code, check_train_fn_keras, find_module
 from raytf.labels import check_labels
-from raytf.spec import FUNCTION_KEYS, JobSpec, function_ref
+from raytf.spec import FUNCTION_KEYS, ONE_TASK_STRATEGIES, ClusterSpec, JobSpec, function_ref
 from raytf.storage import is_uri, staging_dir
 
 
@@ -137,6 +137,19 @@ def _known_keys(loc: tuple) -> list[str]:
     return list(model.model_fields)
 
 
+def _dumped(spec: JobSpec, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """A parsed spec as a mapping again, to override. It carries every key, defaults included: a worker
+    count that is only the old strategy's default (2, or 1 for one task's) goes when the strategy changes,
+    so the new strategy's default applies (a sweep over strategy, pbt's choices)."""
+    raw = spec.model_dump()
+    new_strategy = overrides.get("strategy", spec.strategy)
+    if new_strategy != spec.strategy and "cluster.workers" not in overrides and "cluster" not in overrides:
+        one_task = spec.strategy in ONE_TASK_STRATEGIES
+        if spec.cluster.workers == (1 if one_task else ClusterSpec.model_fields["workers"].default):
+            raw["cluster"].pop("workers", None)
+    return raw
+
+
 def apply_overrides(raw: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
     """Deep-copy `raw` and set each dotted key (`train.epochs`) to its value."""
     out = copy.deepcopy(dict(raw))
@@ -192,9 +205,9 @@ def load(source: "str | Path | Mapping[str, Any] | JobSpec | Job",
     if isinstance(source, Job):
         if not overrides:
             return source
-        raw, start, name = source.spec.model_dump(), None, source.source
+        raw, start, name = _dumped(source.spec, overrides), None, source.source
     elif isinstance(source, JobSpec):
-        raw, start, name = source.model_dump(), Path.cwd(), "job spec"
+        raw, start, name = _dumped(source, overrides), Path.cwd(), "job spec"
     elif isinstance(source, Mapping):
         raw, start, name = dict(source), Path.cwd(), "job spec"
     else:

@@ -94,7 +94,7 @@ class Outcome:
     optimizer_steps: int | None = None
     exports: dict[str, str] = dataclasses.field(default_factory=dict)  # format -> path in its staging folder
     timing: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)  # "worker-<i>" -> input wait, step time
-    variable_devices: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # parameter servers
+    variable_devices: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # parameter servers, central_storage
     recovered_workers: list[str] = dataclasses.field(default_factory=list)  # the PS coordinator's
     evaluations: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # the evaluator's
     preempted: DrainStop | None = None  # stopped for a drain notice

@@ -289,7 +289,8 @@ class TrainSpec(_Strict):
 
 
 class ClusterSpec(_Strict):
-    workers: int = Field(default=2, ge=1, description="Worker tasks (one Ray actor each).")
+    workers: int = Field(default=2, ge=1, description=(
+        "Worker tasks (one Ray actor each); 1, and the default, under one_device and central_storage."))
     cpus_per_worker: float = Field(default=1.0, ge=0, description="CPUs each worker's bundle reserves.")
     gpus_per_worker: float = Field(default=0.0, ge=0, description=(
         "GPUs each worker's bundle reserves (a fraction shares a GPU). Each GPU is a replica."))
@@ -391,7 +392,7 @@ class FailureSpec(_Strict):
         "When the cluster cannot give back all workers after a failure, go on with fewer (>= min_workers), keeping "
         "the effective batch. None: only the full size."))
     standby: bool = Field(default=True, description=(
-        "With max_restarts > 0 (mirrored): once training runs, keep one warm process per worker with TensorFlow "
+        "With max_restarts > 0 (mirrored, one_device, central_storage): once training runs, keep one warm process per worker with TensorFlow "
         "imported, so a restart promotes them instead of starting new ones."))
     preemption: bool = Field(default=True, description=(
         "When Ray marks a node of the job as draining (a spot instance reclaimed, `ray drain-node`), every worker "

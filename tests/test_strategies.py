@@ -4,6 +4,8 @@ run on the session's local cluster (its GPU nodes have 2 logical GPUs each; Tens
 import json
 import os
 import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -11,6 +13,15 @@ import raytf
 from raytf.errors import SpecError
 from raytf.job import parse
 from tests.conftest import assert_nothing_left, base_spec, write_job
+
+
+BN_DROPOUT = textwrap.dedent('''
+    import keras
+
+    def build_model():
+        return keras.Sequential([keras.Input(shape=(64,)), keras.layers.Dense(32), keras.layers.BatchNormalization(),
+                                 keras.layers.ReLU(), keras.layers.Dropout(0.3), keras.layers.Dense(10)])
+''')
 
 
 def spec_error(**sections) -> str:
@@ -102,3 +113,67 @@ def test_a_sweep_runs_one_device_trials_each_a_job_that_trains_checkpoints_and_e
         assert sorted(p.name for p in (job_dir / "ckpt" / row["point"]).iterdir())  # its own checkpoints
     assert "strategy: one_device" in (job_dir / "runs" / "single" / "best.yaml").read_text()
     assert_nothing_left()
+
+
+TWO_REPLICAS_CENTRAL = textwrap.dedent('''
+    import json, sys, types
+    import tensorflow as tf
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 3)
+    from raytf.job import load
+    from raytf.protocol import WorkerPayload
+    from raytf.actor.mirrored import MirroredRunner
+
+    job_dir = sys.argv[1]
+    sys.path.insert(0, job_dir)
+    # what a GPU machine has: two compute devices, and the CPU holding the variables
+    strategy = tf.distribute.experimental.CentralStorageStrategy(["/cpu:1", "/cpu:2"], parameter_device="/cpu:0")
+    job = load(job_dir + "/job.yaml")
+    payload = WorkerPayload(job.spec, job.datasets["train"], job.data_path(job.spec.data.train),
+                            job.datasets["validation"], job.data_path(job.spec.data.validation))
+    ctx = types.SimpleNamespace(world_size=1, rank=0, is_chief=True, staging_dir=job_dir + "/staging")
+    runner = MirroredRunner(strategy, payload, ctx)
+    losses = []
+    for epoch in (1, 2):
+        runner.start_epoch(epoch, None)
+        for _ in runner.train(runner.steps, epoch):
+            pass
+        runner.sync_state()
+        losses.append(runner.train_acc.results(runner.epoch_totals())["loss"])
+    moving = [v for v in runner.model.weights if "moving_mean" in v.path][0]
+    print(json.dumps({"replicas": strategy.num_replicas_in_sync, "losses": losses,
+                      "devices": sorted({v.value.device for v in runner.model.weights}),
+                      "moving_mean_moved": bool(abs(moving.numpy()).sum() > 0)}))
+''')
+
+
+@pytest.mark.timeout(120)
+def test_raytfs_loop_under_central_storage_with_two_replicas_trains_batchnorm_and_dropout(job_dir):
+    """Two compute devices (logical CPUs standing in for a machine's GPUs), variables on the CPU: raytf's step
+    assigns BatchNormalization's statistics and Dropout's state from each replica, which TensorFlow refuses
+    for Keras's variables unless raytf says how replicas combine (tier 2: in a subprocess, no Ray)."""
+    (job_dir / "bn_dropout.py").write_text(BN_DROPOUT)
+    write_job(job_dir, base_spec(strategy="central_storage", model="bn_dropout:build_model",
+                                 cluster={"workers": 1}, train={"epochs": 2, "global_batch_size": 64}))
+    proc = subprocess.run([sys.executable, "-c", TWO_REPLICAS_CENTRAL, str(job_dir)], capture_output=True, text=True,
+                          timeout=110, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["replicas"] == 2 and out["devices"] == ["/job:localhost/replica:0/task:0/device:CPU:0"]
+    assert out["losses"][1] < out["losses"][0] and out["moving_mean_moved"]
+
+
+@pytest.mark.timeout(30)
+def test_a_parsed_spec_switched_to_another_strategy_takes_that_strategys_worker_count(job_dir):
+    """A sweep's point or pbt's choice overrides a parsed job, which carries every key: a worker count that was
+    only the old strategy's default follows the new strategy; one given as an override stays."""
+    from raytf.job import load
+
+    mirrored = load(write_job(job_dir, {k: v for k, v in base_spec().items() if k != "cluster"}), check_code=False)
+    assert mirrored.spec.cluster.workers == 2
+    assert load(mirrored, {"strategy": "one_device"}, check_code=False).spec.cluster.workers == 1
+    single = load(mirrored, {"strategy": "central_storage"}, check_code=False)
+    assert load(single, {"strategy": "mirrored"}, check_code=False).spec.cluster.workers == 2
+    assert load(single, {"strategy": "mirrored", "cluster.workers": 4}, check_code=False).spec.cluster.workers == 4
+    with pytest.raises(SpecError, match="cluster.workers: 3 is not supported with strategy: one_device"):
+        load(mirrored, {"strategy": "one_device", "cluster.workers": 3}, check_code=False)

@@ -18,8 +18,8 @@ def prepare(task, payload: WorkerPayload, ctx: TaskContext) -> None:
 
 
 def start(task, payload: WorkerPayload, ctx: TaskContext) -> tf.distribute.Strategy:
-    """The strategy; neither starts a TensorFlow server (one task: no cluster). TF_CONFIG goes: given a
-    cluster, CentralStorageStrategy would set itself up as a multi-machine parameter-server strategy."""
+    """The strategy; neither starts a TensorFlow server. TF_CONFIG goes: one task is no cluster, and code
+    that reads it (a model function, a train_fn) should not see one."""
     os.environ.pop("TF_CONFIG", None)
     return STRATEGIES[backends.get(payload.spec.strategy).tf_strategy](tf.config.list_logical_devices("GPU"))
 

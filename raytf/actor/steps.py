@@ -9,6 +9,7 @@ AUC, precision/recall), and is why raytf does not need Keras metric objects to b
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -68,7 +69,7 @@ def build_model(payload, strategy: tf.distribute.Strategy, steps_per_epoch: int,
     for `trained(model)` (the variables it updates), so its slots exist before a restore fills them."""
     spec = payload.spec
     keras.mixed_precision.set_global_policy(spec.train.precision)
-    with strategy.scope():
+    with strategy.scope(), _central_variables(strategy):
         model = payload.function("model")()
         if not isinstance(model, keras.Model):
             raise TypeError(f"model: {spec.model} returned {type(model).__name__}, not a keras.Model")
@@ -77,6 +78,22 @@ def build_model(payload, strategy: tf.distribute.Strategy, steps_per_epoch: int,
         targets = trained(model)
         optimizer.build(targets)
     return model, optimizer, targets
+
+
+def _central_variables(strategy: tf.distribute.Strategy):
+    """Under CentralStorageStrategy with several replicas, a variable a replica assigns in its step
+    (BatchNormalization's moving statistics, Dropout's random state: Keras makes them with aggregation
+    NONE) must say how the replicas' values combine, or TensorFlow refuses the assignment. They take the
+    first replica's, as Keras's own layers do under MirroredStrategy without synchronized BatchNormalization.
+    Entered inside strategy.scope(), so it comes before the strategy's own variable creator."""
+    if not isinstance(strategy, tf.distribute.experimental.CentralStorageStrategy):
+        return contextlib.nullcontext()
+
+    def first_replica(next_creator, **kwargs):
+        if not kwargs.get("trainable", True) and kwargs.get("aggregation") in (None, tf.VariableAggregation.NONE):
+            kwargs["aggregation"] = tf.VariableAggregation.ONLY_FIRST_REPLICA
+        return next_creator(**kwargs)
+    return tf.variable_creator_scope(first_replica)
 
 
 def build_variables(model: keras.Model, payload) -> None:

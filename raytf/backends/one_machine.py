@@ -22,7 +22,6 @@ class OneMachine(Mirrored):
     tf_strategy = ""  # the tf.distribute class the task builds (raytf.actor.one_machine)
 
     def check(self, spec: "JobSpec") -> None:
-        super().check(spec)  # no parameter-server keys
         cluster = spec.cluster
         refused = [
             (cluster.workers != 1, f"cluster.workers: {cluster.workers}",
@@ -37,6 +36,7 @@ class OneMachine(Mirrored):
         for bad, what, fix in refused:
             if bad:
                 raise ValueError(f"{what} is not supported with strategy: {self.name}; {fix}")
+        super().check(spec)  # no parameter-server keys
 
 
 class OneDevice(OneMachine):
