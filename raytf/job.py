@@ -15,11 +15,11 @@ from typing import Any, Mapping
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from raytf import learning_rate, spec_rules, yaml_file
+from raytf import backends, learning_rate, spec_rules, yaml_file
 from raytf.errors import SpecError, clip
 from raytf.job_code import check_job_code, check_train_fn_keras, find_module
 from raytf.labels import check_labels
-from raytf.spec import FUNCTION_KEYS, ONE_TASK_STRATEGIES, ClusterSpec, JobSpec, function_ref
+from raytf.spec import FUNCTION_KEYS, JobSpec, function_ref
 from raytf.storage import is_uri, staging_dir
 
 
@@ -142,10 +142,9 @@ def _dumped(spec: JobSpec, overrides: Mapping[str, Any]) -> dict[str, Any]:
     count that is only the old strategy's default (2, or 1 for one task's) goes when the strategy changes,
     so the new strategy's default applies (a sweep over strategy, pbt's choices)."""
     raw = spec.model_dump()
-    new_strategy = overrides.get("strategy", spec.strategy)
-    if new_strategy != spec.strategy and "cluster.workers" not in overrides and "cluster" not in overrides:
-        one_task = spec.strategy in ONE_TASK_STRATEGIES
-        if spec.cluster.workers == (1 if one_task else ClusterSpec.model_fields["workers"].default):
+    before, after = backends.BACKENDS[spec.strategy], backends.BACKENDS.get(overrides.get("strategy", spec.strategy))
+    if after not in (None, before) and "cluster.workers" not in overrides and "cluster" not in overrides:
+        if spec.cluster.workers == before.default_workers:
             raw["cluster"].pop("workers", None)
     return raw
 

@@ -29,6 +29,7 @@ class Backend:
 
     name: str = ""
     actor_module: str = ""  # the actor's half: raytf.actor.<name>, imported inside the actor only
+    default_workers: int = 2  # cluster.workers when the spec does not say (raytf.spec's default; one task's: 1)
     supports_standby: bool = False  # warm processes can take a restarted task's place
     supports_elastic: bool = False  # a restart may go on with fewer workers
     synchronous_steps: bool = False  # every step waits for every worker (an all-reduce)
