@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -143,12 +144,9 @@ class MlflowRun:
             return
         from mlflow.entities import Metric
 
-        stamp = _now_ms()
+        stamp = int(time.time() * 1000)
         self._try(lambda: self.client.log_batch(self.run_id, metrics=[
             Metric(k, v, stamp, epoch or 0) for k, v in numbers.items()]))
-
-    def log_metrics(self, metrics: Mapping[str, float]) -> None:
-        self._try(lambda: [self.client.log_metric(self.run_id, k, float(v)) for k, v in metrics.items()])
 
     def log_artifacts(self, paths: list[Path]) -> None:
         """Files go to the run's artifact root by name; folders (a SavedModel) as a folder of that name."""
@@ -196,12 +194,6 @@ def _experiment_id(client, name: str, artifact_location: str | None = None) -> s
         if found is None:
             raise
         return found.experiment_id
-
-
-def _now_ms() -> int:
-    import time
-
-    return int(time.time() * 1000)
 
 
 def open_job_run(job, warn: Callable[[str], None], parent_run_id: str | None = None) -> MlflowRun | None:
