@@ -10,6 +10,9 @@ CPUs as the machine. Resources per trial are the same: raytf 2 workers x 0.5 CPU
 none); Ray Train 2 workers x 0.45 CPU + 0.1 CPU for the trial's driver, with max_concurrent_trials set
 by hand to what fits (2 on 2 CPUs), which raytf's `auto` works out by itself.
 
+A third way is raytf with `tune.reuse_processes: false` (every trial starts new worker processes, as before
+raytf kept them): what running a trial in the previous one's processes saves.
+
 Reported per way: sweep wall time (call -> results), mean trial time, cluster utilization (sum of trial
 time x reserved CPUs / (sweep wall x cluster CPUs)) and the best final val_loss, as a markdown table.
 """
@@ -29,7 +32,8 @@ BATCHES, LRS, BASE_BATCH = [64, 128], [0.001, 0.004], 64
 WORKERS = 2
 
 
-def run_raytf(epochs: int) -> dict:
+def run_raytf(epochs: int, reuse: bool = True) -> dict:
+    """`reuse`: tune.reuse_processes (a trial runs in the processes of the one before it)."""
     import raytf
 
     started = time.time()
@@ -39,7 +43,7 @@ def run_raytf(epochs: int) -> dict:
         "tune.space.train.global_batch_size": {"grid": BATCHES},
         "tune.space.optimizer.learning_rate": {"grid": LRS},
         "tune.lr_scaling": {"rule": "linear", "base_batch_size": BASE_BATCH},
-        "tune.scheduler": None, "tune.max_concurrent_trials": "auto"})
+        "tune.scheduler": None, "tune.max_concurrent_trials": "auto", "tune.reuse_processes": reuse})
     wall = time.time() - started
     times = [r["time_s"] for r in result.rows]
     assert all(r["status"] == "completed" for r in result.rows), result.table
@@ -148,9 +152,11 @@ def main() -> None:
     # tf-keras for Ray Train's model.fit; raytf imports Keras 3 as `keras` and is unaffected.
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}})
-    rows: dict[str, list[dict]] = {"raytf tune": [], "Ray Tune + Ray Train": []}
-    for rep in range(args.reps):  # alternate which goes first, so drift on the machine hits both alike
-        ways = [("raytf tune", run_raytf), ("Ray Tune + Ray Train", run_ray_tune_train)]
+    fresh = "raytf tune, new processes each trial"
+    rows: dict[str, list[dict]] = {"raytf tune": [], fresh: [], "Ray Tune + Ray Train": []}
+    for rep in range(args.reps):  # alternate the order, so drift on the machine hits every way alike
+        ways = [("raytf tune", run_raytf), (fresh, lambda epochs: run_raytf(epochs, reuse=False)),
+                ("Ray Tune + Ray Train", run_ray_tune_train)]
         for way, fn in (ways if rep % 2 == 0 else ways[::-1]):
             rows[way].append(fn(args.epochs))
             print(f"rep {rep + 1} {way}: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"

@@ -264,7 +264,8 @@ def concurrency(prepared: PreparedSweep, nodes: list[Mapping[str, float]]) -> in
 
 
 def _run_trial(config: dict[str, Any], jobs: dict[str, Job], code_env: dict[str, Any],
-               suggested: Suggested | None = None, pauses: bool = False, tracking_parent: str | None = None) -> None:
+               suggested: Suggested | None = None, pauses: bool = False, tracking_parent: str | None = None,
+               reuse: bool = False) -> None:
     """One trial: the point's job on the trial's placement group, each epoch reported to Tune. A suggested
     point's job is built here; one that cannot run raises UnrunnablePoint, failing the trial at once.
 
@@ -273,13 +274,20 @@ def _run_trial(config: dict[str, Any], jobs: dict[str, Job], code_env: dict[str,
     trial's by pbt) resumes from it, and the epochs it already holds are not reported again.
 
     The last epoch is reported only once the model is written: a scheduler stops a trial when it reaches
-    max_t, and a stop ends this actor (and, with it, the raytf actors it owns) at once."""
+    max_t, and a stop ends the trial in that report (Tune's SystemExit), taking its raytf actors with it.
+
+    With `reuse` (tune.reuse_processes), Tune runs the next trial that asks for the same resources in this
+    actor, on the same placement group, and a succeeded job's raytf actors stay for it (raytf.actor.reuse)."""
     import ray
     from ray import tune
 
     from raytf import trial_checkpoint
     from raytf.checkpoint import Storage
     from raytf.driver import controller, output
+
+    # Before Tune hands this actor to the next trial, it waits this long for a stopped one's thread to end
+    # (2 s by default, then the next trial fails): a stopped job first stops its actors and writes result.json.
+    os.environ.setdefault("TUNE_FUNCTION_THREAD_TIMEOUT_S", str(TRIAL_END_TIMEOUT_S))
 
     if suggested is None:
         pid = config["point"]
@@ -324,10 +332,12 @@ def _run_trial(config: dict[str, Any], jobs: dict[str, Job], code_env: dict[str,
     staged = output.claim(job, resume) if is_uri(job.output_where) else contextlib.nullcontext()
     with staged:
         controller.run(job, on_epoch=report, placement_group=ray.util.get_current_placement_group(),
-                       code_env=code_env, resume=resume, tracking_parent=tracking_parent)
+                       code_env=code_env, resume=resume, tracking_parent=tracking_parent, keep_processes=reuse)
     for metrics in held:
         tune.report(metrics)
 
+
+TRIAL_END_TIMEOUT_S = 30
 
 RESTORES = "restores.json"  # in a trial's output.dir: each start from a checkpoint Tune handed back
 
@@ -461,7 +471,7 @@ def run(prepared: PreparedSweep, display: ProgressDisplay | None = None, resume:
     try:  # from the parent run's opening on: whatever ends the sweep closes it
         trainable = tune.with_resources(tune.with_parameters(
             _run_trial, jobs=prepared.jobs, code_env=code_env, suggested=suggested, pauses=pauses,
-            tracking_parent=parent.run_id if parent else None), resources=resources)
+            tracking_parent=parent.run_id if parent else None, reuse=section.reuse_processes), resources=resources)
         started = time.time()
         if restoring:
             display.message(f"raytf: resuming the sweep in {experiment}")
@@ -483,6 +493,7 @@ def run(prepared: PreparedSweep, display: ProgressDisplay | None = None, resume:
                                             max_concurrent_trials=None if search.creates_every_trial_at_once(section)
                                             else limit,
                                             trial_name_creator=trial_name,
+                                            reuse_actors=section.reuse_processes,
                                             trial_dirname_creator=trial_name),
                 run_config=tune.RunConfig(name=EXPERIMENT, storage_path=where, verbose=0,
                                           # a paused or exploited trial starts from its last report's checkpoint

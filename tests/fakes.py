@@ -8,7 +8,7 @@ import itertools
 from typing import Any, Callable
 
 from raytf.driver.group import Finished, TaskError
-from raytf.errors import PlacementTimeout, PortTaken
+from raytf.errors import PlacementTimeout, PortTaken, WorkerStartupError
 from raytf.protocol import CheckpointSaved, DrainStop, Outcome, Progress, StopAnswer
 from raytf.rendezvous import ActorLocation
 
@@ -106,6 +106,7 @@ class FakeGroup:
         self.handles: list[_Handle] = []
         self.returned: set[_Handle] = set()
         self.stopped = False
+        self.fail_setup: str | None = None  # a kept group's processes that do not start again
 
     def start(self, timeout_s: float) -> list[ActorLocation]:
         # bundles alternate over the nodes that are not draining (Ray places nothing new on those)
@@ -118,6 +119,8 @@ class FakeGroup:
 
     def setup(self, tasks, payload, timeout_s: float):
         self.tasks = tasks
+        if self.fail_setup:
+            raise WorkerStartupError(f"workers failed to start TensorFlow: rank 0: {self.fail_setup}")
         if self.world.port_taken_times > 0:
             self.world.port_taken_times -= 1
             raise PortTaken(f"rank 1: port {tasks[1].port} on {tasks[1].node_ip} was taken")
@@ -221,6 +224,10 @@ class FakeResources:
         self.stop_requests: list[tuple[list[int], int]] = []
         self.refuse_stop: set[int] = set()  # ranks that answer a stop request as already past the step
         self.on_checkpoint: Callable[[int], None] | None = None  # the chief's checkpoint-now, at this step
+        self.keep_processes = False  # a sweep's trial process (raytf.actor.reuse): a succeeded group is kept
+        self.kept: tuple | None = None
+        self.kept_fails_setup: str | None = None
+        self.kept_asked: list = []  # the key of each take_kept
 
     def reserve(self, bundles, strategy: str, timeout_s: float, name: str):
         self.reservations.append(len(bundles))
@@ -248,6 +255,22 @@ class FakeResources:
 
     def release_standby(self) -> None:
         pass
+
+    def keep(self, group, tasks, key) -> bool:
+        if not self.keep_processes or key is None:
+            return False
+        self.kept = (group, list(tasks), key)
+        return True
+
+    def take_kept(self, pg, key, env, count):
+        kept, self.kept = self.kept, None
+        self.kept_asked.append(key)
+        if kept is not None and key is not None and kept[2] == key and len(kept[1]) == count:
+            kept[0].fail_setup = self.kept_fails_setup
+            return kept[0], kept[1]
+        if kept is not None:
+            kept[0].stop()
+        return None
 
     def draining(self) -> dict[str, float | None]:
         return {node: deadline for since, node, deadline in self.drains if since <= self.clock.now()}

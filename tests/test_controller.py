@@ -472,3 +472,46 @@ def test_a_free_form_config_section_reaches_the_train_fns_ctx():
     ctx = TaskContext(0, 2, spec, "/nonexistent")
     assert ctx.config == {"lr": 0.1, "layers": [64, 32]}
     assert parse(base_spec()).config == {}
+
+
+# ---------------------------------------------------------------- a sweep's trials in one process (raytf.actor.reuse)
+
+
+def _trial(tmp_path, world, clock, name, **sections):
+    job = make_job(tmp_path / name, **sections)
+    return Controller(job, world, env={}, clock=clock, placement_group="trial-pg")
+
+
+def test_a_sweep_trial_runs_in_the_last_trials_processes_when_they_match_and_only_then(tmp_path):
+    clock = FakeClock()
+    world = FakeResources(clock, lambda attempt, task: Script(finish_after=6.0))
+    world.keep_processes = True
+    first = run_fast(_trial(tmp_path, world, clock, "a"))
+    assert first.processes_reused == 0 and world.kept is not None and not world.groups[0].stopped
+    second = run_fast(_trial(tmp_path, world, clock, "b", train={"global_batch_size": 64, "epochs": 1}))
+    assert second.status == "succeeded" and second.processes_reused == 2
+    assert len(world.groups) == 1, "no new actors: the kept ones were set up again"
+    assert [t["address"] for t in second.tasks] == [t["address"] for t in first.tasks], "the same TF_CONFIG"
+    # other threads per worker: TensorFlow's thread pools are fixed for a process's life; new processes
+    third = run_fast(_trial(tmp_path, world, clock, "c", cluster={"workers": 2, "cpus_per_worker": 2}))
+    assert third.processes_reused == 0 and len(world.groups) == 2 and world.groups[0].stopped
+    # a parameter-server job never keeps its processes
+    world.kept = None
+    run_fast(_trial(tmp_path, world, clock, "ps", strategy="parameter_server", cluster={"workers": 2, "ps": 1}))
+    assert world.kept is None and world.kept_asked[-1] is None
+
+
+def test_kept_processes_that_do_not_start_again_are_replaced_at_no_cost_and_a_restart_takes_none(tmp_path):
+    clock = FakeClock()
+    world = FakeResources(clock, lambda attempt, task: (Script(finish_after=None, fail_after=3.0, error=actor_died())
+                                                        if attempt == 2 and task.rank == 1 else Script(finish_after=6.0)))
+    world.keep_processes = True
+    run_fast(_trial(tmp_path, world, clock, "a"))
+    world.kept_fails_setup = "TensorFlow's server is gone"
+    c = _trial(tmp_path, world, clock, "b", failure={"max_restarts": 1})
+    result = run_fast(c)
+    assert result.status == "succeeded" and result.processes_reused == 0
+    assert world.groups[0].stopped and len(world.groups) == 3, "kept (failed setup), new, then the restart's"
+    assert [r["kind"] for r in result.restarts] == ["actor_died"], "only the real failure was charged"
+    assert result.rendezvous_attempts == 1
+    assert world.kept_asked[-1] is None, "a restart does not look for a kept group"

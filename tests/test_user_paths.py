@@ -35,9 +35,13 @@ STATEFUL_MODEL = textwrap.dedent('''
         return keras.Model({"pixels": pixels, "tokens": tokens}, keras.layers.Dense(10)(joined))
 
 
-    def bn_model():
-        return keras.Sequential([keras.Input(shape=(64,)), keras.layers.Dense(32), keras.layers.BatchNormalization(),
+    def bn_model(width=32):
+        return keras.Sequential([keras.Input(shape=(64,)), keras.layers.Dense(width), keras.layers.BatchNormalization(),
                                  keras.layers.Activation("relu"), keras.layers.Dropout(0.2), keras.layers.Dense(10)])
+
+
+    def wide_bn_model():
+        return bn_model(width=48)
 ''')
 
 
@@ -311,14 +315,17 @@ def assert_quiet(proc) -> None:
 
 
 @pytest.mark.cluster
-def test_tune_from_inside_the_job_folder_leaves_it_as_it_was_and_its_best_spec_runs(project, mlflow):
-    """...and MLflow (a real server) holds the sweep as a parent run with the trial's run nested in it;
-    the best spec, run again, is a run of its own in the same experiment."""
+def test_tune_from_inside_the_job_folder_leaves_it_as_it_was_runs_trials_in_kept_processes_and_its_best_spec_runs(
+        project, mlflow):
+    """Two trials, one after the other (max_concurrent_trials: 1), of BatchNormalization + Dropout models of two
+    widths: the second runs in the first's processes (TensorFlow's collectives re-formed over other shapes),
+    and trains as in its own. MLflow (a real server) holds the sweep as a parent run with each trial's run
+    nested in it; the best spec, run again, is a run of its own in the same experiment."""
     sweep = yaml.safe_load((project / "job.yaml").read_text())
     sweep.update(name="sweep", model="stateful:bn_model", output={"dir": "../runs/sweep", "tensorboard": False},
                  tracking={"mlflow": {"uri": mlflow.uri, "experiment": "user-path-sweep"}},
-                 tune={"metric": "val_loss", "mode": "min",
-                       "space": {"optimizer.learning_rate": {"grid": [0.003]}}})  # one trial: the path, not the search
+                 tune={"metric": "val_loss", "mode": "min", "max_concurrent_trials": 1,
+                       "space": {"model": {"grid": ["stateful:bn_model", "stateful:wide_bn_model"]}}})
     sweep["data"]["features"] = ["pixels"]
     sweep["train"]["epochs"] = 1
     (project / "sweep.yaml").write_text(yaml.safe_dump(sweep))
@@ -326,22 +333,33 @@ def test_tune_from_inside_the_job_folder_leaves_it_as_it_was_and_its_best_spec_r
     proc = run_cli(["tune", "sweep.yaml"], cwd=project)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert files_under(project) == before  # the best spec too goes to output.dir
-    best = project.parent / "runs" / "sweep" / "best.yaml"
+    out = project.parent / "runs" / "sweep"
+    best = out / "best.yaml"
     assert best.is_file() and f"job spec {best}" in proc.stdout
 
-    parent, trial = mlflow.runs("user-path-sweep")
+    trials = [json.loads((out / "trials" / p / "result.json").read_text()) for p in ("p00", "p01")]
+    assert [t["status"] for t in trials] == ["succeeded", "succeeded"]
+    assert [t["processes_reused"] for t in trials] == [0, 2], "the second trial ran in the first's processes"
+    assert [t["address"] for t in trials[1]["tasks"]] == [t["address"] for t in trials[0]["tasks"]]
+    for trial in trials:  # each trained as in processes of its own: workers agree, the loss is a loss
+        assert len({t["weights_digest"] for t in trial["tasks"]}) == 1
+        assert 0 < trial["history"][-1]["val_loss"] < 2.3
+    assert trials[1]["history"][-1]["val_loss"] != trials[0]["history"][-1]["val_loss"]
+
+    parent, *nested = mlflow.runs("user-path-sweep")
     assert (parent.info.run_name, parent.info.status) == ("sweep", "FINISHED")
     assert mlflow.artifacts(parent.info.run_id) == ["best.yaml", "sweep.json", "sweep.png"]
-    assert parent.data.params["tune.space.optimizer.learning_rate.values"] == "[0.003]"
-    assert (trial.info.run_name, trial.info.status) == ("sweep-p00", "FINISHED")
-    assert trial.data.tags["mlflow.parentRunId"] == parent.info.run_id
-    assert trial.data.params["optimizer.learning_rate"] == "0.003"
-    assert [step for step, _ in mlflow.history(trial.info.run_id, "val_loss")] == [1]
-    assert "model.keras" in mlflow.artifacts(trial.info.run_id)
+    assert parent.data.params["tune.space.model.values"] == '["stateful:bn_model", "stateful:wide_bn_model"]'
+    assert sorted(r.info.run_name for r in nested) == ["sweep-p00", "sweep-p01"]
+    for trial in nested:
+        assert trial.info.status == "FINISHED" and trial.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert [step for step, _ in mlflow.history(trial.info.run_id, "val_loss")] == [1]
+        assert "model.keras" in mlflow.artifacts(trial.info.run_id)
+    assert {r.data.params["model"] for r in nested} == {"stateful:bn_model", "stateful:wide_bn_model"}
 
     proc = run_cli(["run", str(best)], cwd=project.parent.parent)  # the best spec runs as it is, from anywhere
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads((project.parent / "runs" / "sweep" / "best" / "result.json").read_text())["status"] == "succeeded"
+    assert json.loads((out / "best" / "result.json").read_text())["status"] == "succeeded"
     assert files_under(project) == before
     again = mlflow.runs("user-path-sweep")[-1]
     assert again.info.status == "FINISHED" and "mlflow.parentRunId" not in again.data.tags

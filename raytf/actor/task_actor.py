@@ -1,7 +1,9 @@
 """The Ray actor behind one TF task: it reports where it runs, holds a port, sets TF_CONFIG before
 TensorFlow starts, runs the strategy loop, and answers progress queries while the loop runs.
 
-TensorFlow is imported only in `setup`, after TF_CONFIG is in the environment.
+TensorFlow is imported only in `setup`, after TF_CONFIG is in the environment. In a sweep, an actor whose
+job succeeded may be set up again for the next trial on the same placement group, with the same TF_CONFIG
+(raytf.actor.reuse): `setup` runs once per job.
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ class TaskActor:
         self._scratch = self._staging = None  # this task's folder on the node, made in setup
         self._tempdir_before = tempfile.tempdir
         self._job_root = os.getcwd()  # the job folder as Ray unpacked it on this node, shared by its tasks
+        self._jobs = 0  # jobs set up in this process (more than one: a sweep's trials, one after another)
         # Import TensorFlow while the rendezvous goes on (seconds of CPU; reading TF_CONFIG and starting
         # the server happen later, in setup). setup waits for this import through Python's import lock.
         self._tf_import = threading.Thread(target=importlib.import_module, args=("tensorflow",), daemon=True)
@@ -84,6 +87,7 @@ class TaskActor:
         from raytf.errors import PortTaken
 
         self._task = task
+        self._jobs += 1
         _name_this_actor(f"raytf:{payload.spec.name}:{task.role}-{task.index}")
         if self._scratch is None:
             self._make_scratch()
@@ -93,18 +97,12 @@ class TaskActor:
         self._tf_import.join()
         import tensorflow as tf
 
-        if payload.spec.train.deterministic:  # before the strategy and the model: every kernel picks its exact path
-            tf.config.experimental.enable_op_determinism()
-        if payload.spec.cluster.gpu_memory_growth:  # before any GPU is initialised
-            for gpu in tf.config.list_physical_devices("GPU"):
-                tf.config.experimental.set_memory_growth(gpu, True)
-        # Size TF's thread pools to the CPUs this actor reserved (as Ray does for OMP_NUM_THREADS):
-        # several workers on one node otherwise each spawn a pool per core and fight over them.
-        cluster = payload.spec.cluster
-        cpus = {"ps": cluster.cpus_per_ps, "chief": cluster.cpus_per_chief}.get(task.role, cluster.cpus_per_worker)
-        if cpus >= 1:
-            tf.config.threading.set_intra_op_parallelism_threads(int(cpus))
-            tf.config.threading.set_inter_op_parallelism_threads(max(2, int(cpus)))
+        if self._jobs > 1:  # what _configure_process set stays as the first job set it (part of the reuse key)
+            from raytf.actor import reuse
+
+            reuse.fresh_start()
+        else:
+            _configure_process(tf, task, payload.spec)
         self._backend = importlib.import_module(backends.get(payload.spec.strategy).actor_module)
         self._backend.prepare(task, payload, self._ctx)  # before any server is up: peers may read at once
         self.release_port()
@@ -123,6 +121,7 @@ class TaskActor:
         the folder also when the task is killed, which runs no cleanup. Made here, not when the actor
         starts: a warm standby that is never promoted leaves nothing."""
         self._scratch = scratch.Scratch()
+        self._scratch_root = os.path.dirname(self._scratch.path)  # where this node's tasks keep theirs
         self._staging = os.path.join(self._scratch.path, "staging")
         os.mkdir(self._staging)
         os.mkdir(os.path.join(self._scratch.path, "tmp"))
@@ -132,7 +131,7 @@ class TaskActor:
 
     def _sweep_node(self) -> None:
         """Remove, in the background, the folders of this node's dead tasks, beside this one's."""
-        threading.Thread(target=scratch.sweep, args=(os.path.dirname(self._scratch.path),), daemon=True).start()
+        threading.Thread(target=scratch.sweep, args=(self._scratch_root,), daemon=True).start()
 
     def train(self, payload: WorkerPayload) -> Outcome:
         started = time.time()
@@ -155,6 +154,7 @@ class TaskActor:
             tempfile.tempdir = self._tempdir_before
             os.chdir(self._job_root)  # out of the folder being removed
             self._scratch.remove()
+            self._scratch = None  # a next job (a sweep's next trial in this process) makes its own
 
     def stop_at(self, step: int) -> StopAnswer:
         """A drain notice: stop training after optimizer step `step` and checkpoint there (answered while
@@ -165,6 +165,22 @@ class TaskActor:
 
     def progress(self) -> Progress:
         return self._channel.progress() if self._channel else Progress(updated=time.time())
+
+
+def _configure_process(tf, task: Task, spec) -> None:
+    """What TensorFlow takes once per process, before its runtime starts."""
+    if spec.train.deterministic:  # before the strategy and the model: every kernel picks its exact path
+        tf.config.experimental.enable_op_determinism()
+    if spec.cluster.gpu_memory_growth:  # before any GPU is initialised
+        for gpu in tf.config.list_physical_devices("GPU"):
+            tf.config.experimental.set_memory_growth(gpu, True)
+    # Size TF's thread pools to the CPUs this actor reserved (as Ray does for OMP_NUM_THREADS):
+    # several workers on one node otherwise each spawn a pool per core and fight over them.
+    cluster = spec.cluster
+    cpus = {"ps": cluster.cpus_per_ps, "chief": cluster.cpus_per_chief}.get(task.role, cluster.cpus_per_worker)
+    if cpus >= 1:
+        tf.config.threading.set_intra_op_parallelism_threads(int(cpus))
+        tf.config.threading.set_inter_op_parallelism_threads(max(2, int(cpus)))
 
 
 def _name_this_actor(name: str) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ class Backend:
     default_workers: int = 2  # cluster.workers when the spec does not say (raytf.spec's default; one task's: 1)
     supports_standby: bool = False  # warm processes can take a restarted task's place
     supports_elastic: bool = False  # a restart may go on with fewer workers
+    reuses_processes: bool = False  # a sweep's next trial may run in a finished trial's processes
     synchronous_steps: bool = False  # every step waits for every worker (an all-reduce)
     replicated_variables: bool = False  # every replica holds a copy of each variable, kept in sync
     # For a train_fn that calls Keras 3's `.fit()`: why it cannot run under this strategy, and what a loop
@@ -72,6 +74,15 @@ class Backend:
         from raytf.rendezvous import placed, task_name
 
         return {t.bundle_index: task_name(spec.name, t) for t in self.assign(placed(bundle_nodes), spec)}
+
+    def process_key(self, spec: "JobSpec") -> str | None:
+        """What a finished job's processes must share with the next job for it to run in them (a sweep's
+        next trial, raytf.actor.reuse): the cluster (addresses, threads, devices) and the settings TensorFlow
+        takes once per process. None where this strategy cannot re-form its tasks in the same processes."""
+        if not self.reuses_processes:
+            return None
+        return json.dumps({"strategy": spec.strategy, "cluster": spec.cluster.model_dump(mode="json"),
+                           "deterministic": spec.train.deterministic}, sort_keys=True)
 
     def role_name(self, task: "Task") -> str:
         return task.role

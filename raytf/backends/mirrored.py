@@ -23,6 +23,7 @@ class Mirrored(Backend):
     actor_module = "raytf.actor.mirrored"
     supports_standby = True
     supports_elastic = True
+    reuses_processes = True  # TF re-forms a collective group in its processes with the same cluster (raytf.actor.reuse)
     synchronous_steps = True
     replicated_variables = True
     keras3_fit_problem = "Keras 3's model.fit fails under MultiWorkerMirroredStrategy on TensorFlow 2.21"

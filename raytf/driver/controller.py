@@ -276,28 +276,18 @@ class Controller:
         costs a fresh rendezvous (up to Limits.rendezvous_attempts)."""
         a, timeout_s = self.attempt, self.spec.cluster.start_timeout_s
         a.rendezvous_tries += 1
-        warm = {}
-        if a.rendezvous_tries == 1:
-            warm = self.resources.take_standby(self.pg, len(a.bundles))
-            if self.decisions:
-                self.decisions[-1]["standby"] = len(warm)  # warm processes promoted (0: all new)
-        a.group = self.resources.new_group(self.pg, a.bundles, self.env, warm,
-                                           names=lambda nodes: self.backend.actor_names(a.spec, nodes))
-        try:
-            a.tasks = self.backend.assign(a.group.start(timeout_s), a.spec)
-            a.group.setup(a.tasks, a.payload, timeout_s)
-        except PortTaken as exc:
-            if a.rendezvous_tries >= self.limits.rendezvous_attempts:
-                return self._attempt_failed(Failure("startup", str(exc), (), {str(exc): []}))
-            self._stop_group()
-            self.display.message(f"raytf: {exc}; new rendezvous (attempt {a.rendezvous_tries + 1})")
+        kept = self._take_kept() if a.rendezvous_tries == 1 else None
+        if kept is not None and not self._set_up_kept(kept, timeout_s):
+            a.rendezvous_tries -= 1  # the next try is this job's own first rendezvous
             return
-        except WorkerStartupError as exc:  # actors that did not start, report in or set up in time
-            return self._attempt_failed(Failure("startup", str(exc), (), {str(exc): []}, traceback=exc.traceback))
+        if kept is None and not self._set_up_new(timeout_s):
+            return
         self.result.rendezvous_attempts = a.rendezvous_tries
+        self.result.processes_reused = len(a.tasks) if kept is not None else 0
         self._phase("start_s")
         self.display.message("raytf: " + ", ".join(
-            f"rank {t.rank}@{t.address}" + (f" gpu {','.join(t.gpu_ids)}" if t.gpu_ids else "") for t in a.tasks))
+            f"rank {t.rank}@{t.address}" + (f" gpu {','.join(t.gpu_ids)}" if t.gpu_ids else "") for t in a.tasks)
+            + (" (the previous trial's processes)" if kept is not None else ""))
         handles = a.group.train(a.payload)
         now = self.clock.now()
         for task, handle in zip(a.tasks, handles):
@@ -311,6 +301,53 @@ class Controller:
         if not self.decisions:
             self._arm_standby()
         self.state = RUNNING
+
+    def _set_up_new(self, timeout_s: float) -> bool:
+        """New actors (or warm standbys) report in, get ranks, start TensorFlow; False: the attempt failed,
+        or a port was lost and a fresh rendezvous follows."""
+        a = self.attempt
+        warm = {}
+        if a.rendezvous_tries == 1:
+            warm = self.resources.take_standby(self.pg, len(a.bundles))
+            if self.decisions:
+                self.decisions[-1]["standby"] = len(warm)  # warm processes promoted (0: all new)
+        a.group = self.resources.new_group(self.pg, a.bundles, self.env, warm,
+                                           names=lambda nodes: self.backend.actor_names(a.spec, nodes))
+        try:
+            a.tasks = self.backend.assign(a.group.start(timeout_s), a.spec)
+            a.group.setup(a.tasks, a.payload, timeout_s)
+        except PortTaken as exc:
+            if a.rendezvous_tries >= self.limits.rendezvous_attempts:
+                self._attempt_failed(Failure("startup", str(exc), (), {str(exc): []}))
+                return False
+            self._stop_group()
+            self.display.message(f"raytf: {exc}; new rendezvous (attempt {a.rendezvous_tries + 1})")
+            return False
+        except WorkerStartupError as exc:  # actors that did not start, report in or set up in time
+            self._attempt_failed(Failure("startup", str(exc), (), {str(exc): []}, traceback=exc.traceback))
+            return False
+        return True
+
+    def _take_kept(self):
+        """A sweep's previous trial's group, kept in this process, when this job can run in it (its first
+        attempt, the same key, placement group and env); a kept group that cannot serve is let go here."""
+        key = None if self.decisions else self.backend.process_key(self.attempt.spec)
+        return self.resources.take_kept(self.pg, key, self.env, len(self.attempt.bundles))
+
+    def _set_up_kept(self, kept, timeout_s: float) -> bool:
+        """Set up the kept tasks for this job; False (the group stopped) when they do not start again: new
+        actors take their place, at no cost to the restart budget."""
+        a = self.attempt
+        a.group, a.tasks = kept
+        try:
+            a.group.setup(a.tasks, a.payload, timeout_s)
+        except (PortTaken, WorkerStartupError) as exc:
+            self.display.message(f"raytf: the previous trial's processes did not start again ({exc}); "
+                                 f"starting new ones")
+            self._stop_group()
+            a.tasks = []
+            return False
+        return True
 
     def _supervise(self) -> None:
         """One poll: collect the tasks that returned, bring back lost ones, watch for hangs, show progress."""
@@ -468,7 +505,10 @@ class Controller:
 
     def _finish(self) -> None:
         a = self.attempt
-        self._stop_group()
+        if self.resources.keep(a.group, a.tasks, self.backend.process_key(a.spec)):
+            a.group = None  # the sweep's next trial in this process may run in it (raytf.actor.reuse)
+        else:
+            self._stop_group()
         self._phase("train_s")
         spec, result = self.spec, self.result
         chief = a.outcomes[0]
@@ -589,7 +629,8 @@ def run(job: Job, group_cls: Callable[..., WorkerGroup] | None = None,
         on_epoch: Callable[[dict[str, Any]], None] | None = None, placement_group=None,
         code_env: dict[str, Any] | None = None, verbose: bool = False,
         resources: Resources | None = None, clock=WallClock, limits: Limits = Limits(),
-        attempts: list[dict[str, Any]] | None = None, tracking_parent: str | None = None) -> Result:
+        attempts: list[dict[str, Any]] | None = None, tracking_parent: str | None = None,
+        keep_processes: bool = False) -> Result:
     """Attempts until one succeeds or the restart policy gives up: each attempt reserves (or re-uses the
     held placement group), starts, trains and tears down; a restart resumes from the latest checkpoint.
 
@@ -600,7 +641,9 @@ def run(job: Job, group_cls: Callable[..., WorkerGroup] | None = None,
     `verbose`: Ray's own lines about the upload too. `resources`, `clock`, `limits`: seams for tests
     (by default Ray's, with `group_cls` for the attempts' actors: a RayWorkerGroup or a subclass).
     `attempts`: the run's starts so far (raytf.driver.attempts), this one last; result.json records its end.
-    `tracking_parent`: the sweep's MLflow run, which a trial's run is nested in (raytf.tracking)."""
+    `tracking_parent`: the sweep's MLflow run, which a trial's run is nested in (raytf.tracking).
+    `keep_processes`: a sweep's trial: a succeeded job's actors stay for the next trial this process runs on
+    the same placement group, and this job runs in the last one's when they match (raytf.actor.reuse)."""
     spec = job.spec
     _checkpoint_storage(job, resume)  # a --resume mistake is a spec error before anything is uploaded
     if resources is None:
@@ -608,7 +651,7 @@ def run(job: Job, group_cls: Callable[..., WorkerGroup] | None = None,
 
         standby = spec.failure.standby and spec.failure.max_restarts > 0
         resources = RayResources(group_cls or RayWorkerGroup, standby_enabled=standby,
-                                 standby_check_s=limits.standby_check_s)
+                                 standby_check_s=limits.standby_check_s, keep_processes=keep_processes)
     series = None
     if spec.output.metrics and resources_are_ray(resources):
         from raytf.metrics import JobSeries

@@ -268,6 +268,11 @@ class RayWorkerGroup:
         return ray.get(refs)
 
 
+# In a sweep's trial process (a Tune actor Tune reuses for the next trial on the same placement group): the
+# last trial's actors, set up again for the next one when its key matches (raytf.actor.reuse). At most one.
+_kept: dict[str, tuple] = {}
+
+
 class RayResources:
     """Placement groups through Ray, and warm standby actors: one per bundle, started once an attempt's
     actors are set up (or once a restarted attempt trains again), each with TensorFlow imported and no
@@ -275,8 +280,10 @@ class RayResources:
     these instead (TF 2.21 cannot re-form a collective group inside a process that was in one, so
     survivors cannot be reused)."""
 
-    def __init__(self, group_cls=RayWorkerGroup, standby_enabled: bool = False, standby_check_s: float = 1.0):
+    def __init__(self, group_cls=RayWorkerGroup, standby_enabled: bool = False, standby_check_s: float = 1.0,
+                 keep_processes: bool = False):
         self.group_cls, self.standby_enabled, self.standby_check_s = group_cls, standby_enabled, standby_check_s
+        self.keep_processes = keep_processes
         self._standby_pg = None
         self._standby: dict[int, tuple[Any, tuple, str | None]] = {}
 
@@ -308,6 +315,34 @@ class RayResources:
 
     def new_group(self, pg, bundles, env, standby, names=None):
         return self.group_cls(pg, bundles, env, standby=standby or None, names=names)
+
+    def keep(self, group: RayWorkerGroup, tasks: list[Task], key: str | None) -> bool:
+        """Hold a finished job's actors (each has removed its files) for the next job in this process, on the
+        same placement group with the same key; False (and nothing held) where processes are not kept."""
+        if not self.keep_processes or key is None or group is None:
+            return False
+        self.drop_kept()
+        _kept["group"] = (group.pg.id, key, group.runtime_env, group, list(tasks))
+        return True
+
+    def take_kept(self, pg, key: str | None, env: dict[str, Any], count: int) -> tuple[RayWorkerGroup, list[Task]] | None:
+        """The kept group and its tasks (their addresses, so TF_CONFIG is the same), if it matches this job;
+        otherwise it is stopped, so that its actors free their bundles for this job's."""
+        kept = _kept.pop("group", None)
+        if kept is None:
+            return None
+        pg_id, kept_key, kept_env, group, tasks = kept
+        if key is not None and key == kept_key and pg is not None and pg.id == pg_id and kept_env == env \
+                and len(tasks) == count:
+            return group, tasks
+        group.stop()
+        return None
+
+    @staticmethod
+    def drop_kept() -> None:
+        kept = _kept.pop("group", None)
+        if kept is not None:
+            kept[3].stop()
 
     def fill_standby(self, pg, env: dict[str, Any], tasks: list[Task], job: str = "") -> None:
         """One warm process per task, named raytf:<job>:standby-<rank> (it keeps that name once promoted)."""

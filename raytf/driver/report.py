@@ -32,6 +32,7 @@ class Result:
     wall_s: float | None = None
     time_to_first_step_s: float | None = None
     rendezvous_attempts: int = 1
+    processes_reused: int = 0  # tasks that ran in processes kept from the sweep's previous trial (raytf.actor.reuse)
     workers: int | None = None  # in the attempt that finished (fewer than asked after an elastic restart)
     # that attempt's global batch, accumulation steps, per-replica batch, and which of them an elastic
     # restart kept ("per_replica_batch", "global_batch"; "as_asked" with all workers)
