@@ -173,7 +173,7 @@ class TuneSection(_Strict):
     max_concurrent_trials: Union[Literal["auto"], int] = "auto"
     seed: int = 0  # for the random dimensions, and a searcher's own generator
     search: SearchSpec = SearchSpec()
-    reuse_processes: bool = True  # a trial runs in the processes of the one before it on the same resources, when they match (no TensorFlow import); false: new processes for every trial
+    reuse_processes: bool = True  # a trial runs in the processes of the one before it on the same resources, when they match (no TensorFlow import); not under a scheduler; false: new processes for every trial
 
     model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
 

@@ -276,18 +276,15 @@ def _run_trial(config: dict[str, Any], jobs: dict[str, Job], code_env: dict[str,
     The last epoch is reported only once the model is written: a scheduler stops a trial when it reaches
     max_t, and a stop ends the trial in that report (Tune's SystemExit), taking its raytf actors with it.
 
-    With `reuse` (tune.reuse_processes), Tune runs the next trial that asks for the same resources in this
-    actor, on the same placement group, and a succeeded job's raytf actors stay for it (raytf.actor.reuse)."""
+    With `reuse` (tune.reuse_processes, and no scheduler: see reuses_processes), Tune runs the next trial that
+    asks for the same resources in this actor, on the same placement group, and a succeeded job's raytf actors
+    stay for it (raytf.actor.reuse)."""
     import ray
     from ray import tune
 
     from raytf import trial_checkpoint
     from raytf.checkpoint import Storage
     from raytf.driver import controller, output
-
-    # Before Tune hands this actor to the next trial, it waits this long for a stopped one's thread to end
-    # (2 s by default, then the next trial fails): a stopped job first stops its actors and writes result.json.
-    os.environ.setdefault("TUNE_FUNCTION_THREAD_TIMEOUT_S", str(TRIAL_END_TIMEOUT_S))
 
     if suggested is None:
         pid = config["point"]
@@ -330,14 +327,19 @@ def _run_trial(config: dict[str, Any], jobs: dict[str, Job], code_env: dict[str,
     resume = storage is not None and storage.latest() is not None
     # A trial's output.dir on object storage: staged on this node, shipped up when the trial's job ends.
     staged = output.claim(job, resume) if is_uri(job.output_where) else contextlib.nullcontext()
-    with staged:
-        controller.run(job, on_epoch=report, placement_group=ray.util.get_current_placement_group(),
-                       code_env=code_env, resume=resume, tracking_parent=tracking_parent, keep_processes=reuse)
-    for metrics in held:
-        tune.report(metrics)
+    try:
+        with staged:
+            controller.run(job, on_epoch=report, placement_group=ray.util.get_current_placement_group(),
+                           code_env=code_env, resume=resume, tracking_parent=tracking_parent, keep_processes=reuse)
+        for metrics in held:
+            tune.report(metrics)
+    except BaseException:  # the job's workers, kept when it succeeded, are not for the next trial now
+        if reuse:
+            from raytf.driver.ray_group import drop_kept
 
+            drop_kept()
+        raise
 
-TRIAL_END_TIMEOUT_S = 30
 
 RESTORES = "restores.json"  # in a trial's output.dir: each start from a checkpoint Tune handed back
 
@@ -345,6 +347,13 @@ RESTORES = "restores.json"  # in a trial's output.dir: each start from a checkpo
 def _add_restore(job: Job, entry: dict[str, Any]) -> None:
     folder = Folder(job.output_where, "output.dir")
     folder.write_json(RESTORES, [*(folder.read_json(RESTORES) or []), entry])
+
+
+def reuses_processes(section: sweep.TuneSection) -> bool:
+    """Whether trials run in the processes of the trials before them (raytf.actor.reuse). Not under a
+    scheduler: Tune keeps the actor of a trial it stopped or paused for the next trial without ending the
+    trial's function, whose workers would train on, unwatched, until that next trial comes."""
+    return section.reuse_processes and section.scheduler is None
 
 
 def point_of(trial, section: sweep.TuneSection) -> str:
@@ -471,7 +480,7 @@ def run(prepared: PreparedSweep, display: ProgressDisplay | None = None, resume:
     try:  # from the parent run's opening on: whatever ends the sweep closes it
         trainable = tune.with_resources(tune.with_parameters(
             _run_trial, jobs=prepared.jobs, code_env=code_env, suggested=suggested, pauses=pauses,
-            tracking_parent=parent.run_id if parent else None, reuse=section.reuse_processes), resources=resources)
+            tracking_parent=parent.run_id if parent else None, reuse=reuses_processes(section)), resources=resources)
         started = time.time()
         if restoring:
             display.message(f"raytf: resuming the sweep in {experiment}")
@@ -493,7 +502,7 @@ def run(prepared: PreparedSweep, display: ProgressDisplay | None = None, resume:
                                             max_concurrent_trials=None if search.creates_every_trial_at_once(section)
                                             else limit,
                                             trial_name_creator=trial_name,
-                                            reuse_actors=section.reuse_processes,
+                                            reuse_actors=reuses_processes(section),
                                             trial_dirname_creator=trial_name),
                 run_config=tune.RunConfig(name=EXPERIMENT, storage_path=where, verbose=0,
                                           # a paused or exploited trial starts from its last report's checkpoint

@@ -477,9 +477,9 @@ def test_a_free_form_config_section_reaches_the_train_fns_ctx():
 # ---------------------------------------------------------------- a sweep's trials in one process (raytf.actor.reuse)
 
 
-def _trial(tmp_path, world, clock, name, **sections):
+def _trial(tmp_path, world, clock, name, on_epoch=None, **sections):
     job = make_job(tmp_path / name, **sections)
-    return Controller(job, world, env={}, clock=clock, placement_group="trial-pg")
+    return Controller(job, world, env={}, clock=clock, placement_group="trial-pg", on_epoch=on_epoch)
 
 
 def test_a_sweep_trial_runs_in_the_last_trials_processes_when_they_match_and_only_then(tmp_path):
@@ -515,3 +515,27 @@ def test_kept_processes_that_do_not_start_again_are_replaced_at_no_cost_and_a_re
     assert [r["kind"] for r in result.restarts] == ["actor_died"], "only the real failure was charged"
     assert result.rendezvous_attempts == 1
     assert world.kept_asked[-1] is None, "a restart does not look for a kept group"
+
+
+def test_a_trial_stopped_by_its_last_report_or_on_a_draining_node_keeps_no_processes(tmp_path):
+    """Tune may stop a trial in the report of its last epochs, fed after the workers returned: the job did
+    not end well, so its workers go. Nor are workers kept on a node being drained."""
+    clock = FakeClock()
+    world = FakeResources(clock, lambda attempt, task: Script(finish_after=6.0))
+    world.keep_processes = True
+
+    def stopped_by_tune(metrics):
+        raise SystemExit(0)  # what tune.report raises in a trial Tune stops
+
+    with pytest.raises(SystemExit):
+        _trial(tmp_path, world, clock, "a", on_epoch=stopped_by_tune).run()
+    assert world.kept is None and world.groups[0].stopped
+    c = _trial(tmp_path, world, clock, "b")
+    while c.state != DONE:
+        c.step()
+    world.drains.append((0.0, "node-0", None))  # a notice for a node the job ran on, as it ends
+    c.run()
+    assert world.kept is None and world.groups[1].stopped
+    world.drains.clear()
+    run_fast(_trial(tmp_path, world, clock, "c"))
+    assert world.kept is not None and not world.groups[2].stopped

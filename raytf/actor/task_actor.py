@@ -100,6 +100,7 @@ class TaskActor:
         if self._jobs > 1:  # what _configure_process set stays as the first job set it (part of the reuse key)
             from raytf.actor import reuse
 
+            self._started = None  # the last job's strategy goes with the rest of its state
             reuse.fresh_start()
         else:
             _configure_process(tf, task, payload.spec)

@@ -82,7 +82,7 @@ class Backend:
         if not self.reuses_processes:
             return None
         return json.dumps({"strategy": spec.strategy, "cluster": spec.cluster.model_dump(mode="json"),
-                           "deterministic": spec.train.deterministic}, sort_keys=True)
+                           "deterministic": spec.train.deterministic, "keras": spec.train.keras}, sort_keys=True)
 
     def role_name(self, task: "Task") -> str:
         return task.role

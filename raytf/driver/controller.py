@@ -191,6 +191,7 @@ class Controller:
                 self.step()
             if self.state == FAILED:
                 raise self.error
+            self._keep_or_stop_group()
         except BaseException as exc:
             self._stop_group()
             self._record_failure(exc)
@@ -283,7 +284,8 @@ class Controller:
         if kept is None and not self._set_up_new(timeout_s):
             return
         self.result.rendezvous_attempts = a.rendezvous_tries
-        self.result.processes_reused = len(a.tasks) if kept is not None else 0
+        if kept is not None:
+            self.result.processes_reused = len(a.tasks)
         self._phase("start_s")
         self.display.message("raytf: " + ", ".join(
             f"rank {t.rank}@{t.address}" + (f" gpu {','.join(t.gpu_ids)}" if t.gpu_ids else "") for t in a.tasks)
@@ -333,6 +335,25 @@ class Controller:
         attempt, the same key, placement group and env); a kept group that cannot serve is let go here."""
         key = None if self.decisions else self.backend.process_key(self.attempt.spec)
         return self.resources.take_kept(self.pg, key, self.env, len(self.attempt.bundles))
+
+    def _key_to_keep(self) -> str | None:
+        """The key a succeeded job's group may be kept under for a sweep's next trial (raytf.actor.reuse): not
+        outside a trial's placement group, nor on a node being drained."""
+        a = self.attempt
+        if self.given_pg is None or a.group is None:
+            return None
+        draining = self.resources.draining()
+        if any(t.node_id in draining for t in a.tasks):
+            return None
+        return self.backend.process_key(a.spec)
+
+    def _keep_or_stop_group(self) -> None:
+        """After a job that ended well, and only then (a Tune report from the last epochs may still stop the
+        trial): its group stays for the next trial in this process, or stops."""
+        a = self.attempt
+        if a is not None and a.group is not None and self.resources.keep(a.group, a.tasks, self._key_to_keep()):
+            a.group = None
+        self._stop_group()
 
     def _set_up_kept(self, kept, timeout_s: float) -> bool:
         """Set up the kept tasks for this job; False (the group stopped) when they do not start again: new
@@ -505,9 +526,7 @@ class Controller:
 
     def _finish(self) -> None:
         a = self.attempt
-        if self.resources.keep(a.group, a.tasks, self.backend.process_key(a.spec)):
-            a.group = None  # the sweep's next trial in this process may run in it (raytf.actor.reuse)
-        else:
+        if self._key_to_keep() is None:  # otherwise decided once the job has ended well (_keep_or_stop_group)
             self._stop_group()
         self._phase("train_s")
         spec, result = self.spec, self.result

@@ -273,6 +273,13 @@ class RayWorkerGroup:
 _kept: dict[str, tuple] = {}
 
 
+def drop_kept() -> None:
+    """Stop the group kept in this process, if any (a trial that ends badly after its job succeeded)."""
+    kept = _kept.pop("group", None)
+    if kept is not None:
+        kept[3].stop()
+
+
 class RayResources:
     """Placement groups through Ray, and warm standby actors: one per bundle, started once an attempt's
     actors are set up (or once a restarted attempt trains again), each with TensorFlow imported and no
@@ -321,7 +328,7 @@ class RayResources:
         same placement group with the same key; False (and nothing held) where processes are not kept."""
         if not self.keep_processes or key is None or group is None:
             return False
-        self.drop_kept()
+        drop_kept()
         _kept["group"] = (group.pg.id, key, group.runtime_env, group, list(tasks))
         return True
 
@@ -338,11 +345,6 @@ class RayResources:
         group.stop()
         return None
 
-    @staticmethod
-    def drop_kept() -> None:
-        kept = _kept.pop("group", None)
-        if kept is not None:
-            kept[3].stop()
 
     def fill_standby(self, pg, env: dict[str, Any], tasks: list[Task], job: str = "") -> None:
         """One warm process per task, named raytf:<job>:standby-<rank> (it keeps that name once promoted)."""
