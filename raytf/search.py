@@ -1,6 +1,6 @@
-"""Tune's side of a sweep's search: the space in Tune's terms, the searcher (tune.search.algorithm optuna or
-hyperopt: each point suggested from the results so far), the scheduler (asha, hyperband, pbt), and the id a
-point goes by when Tune fills the trial's config.
+"""Tune's side of a sweep's search: the space in Tune's terms, the searcher (tune.search.algorithm optuna,
+hyperopt or bohb: each point suggested from the results so far), the scheduler (asha, hyperband, pbt; under
+bohb, Tune's HyperBandForBOHB), and the id a point goes by when Tune fills the trial's config.
 
 The points of a grid or random search are drawn up front instead (raytf.sweep.expand)."""
 from __future__ import annotations
@@ -12,10 +12,11 @@ from typing import Any
 from raytf.errors import SpecError
 from raytf.sweep import Dimension, TuneSection
 
-# algorithm -> (the package it needs, Tune's module, the searcher class, the keyword of its seed)
+# algorithm -> (the packages it needs, Tune's module, the searcher class, the keyword of its seed)
 _SEARCHERS = {
-    "optuna": ("optuna", "ray.tune.search.optuna", "OptunaSearch", "seed"),
-    "hyperopt": ("hyperopt", "ray.tune.search.hyperopt", "HyperOptSearch", "random_state_seed"),
+    "optuna": (("optuna",), "ray.tune.search.optuna", "OptunaSearch", "seed"),
+    "hyperopt": (("hyperopt",), "ray.tune.search.hyperopt", "HyperOptSearch", "random_state_seed"),
+    "bohb": (("hpbandster", "ConfigSpace"), "ray.tune.search.bohb", "TuneBOHB", "seed"),
 }
 EXTRA = "raytf[tune-search]"
 
@@ -37,12 +38,12 @@ def param_space(section: TuneSection) -> dict[str, Any]:
 
 def check_installed(section: TuneSection) -> None:
     """The searcher's package missing is a SpecError naming the extra that installs it."""
-    package = _SEARCHERS[section.search.algorithm][0]
-    try:
-        importlib.import_module(package)
-    except ImportError:
-        raise SpecError(f"tune.search.algorithm {section.search.algorithm} needs the {package} package; "
-                        f"install it with: pip install '{EXTRA}'") from None
+    for package in _SEARCHERS[section.search.algorithm][0]:
+        try:
+            importlib.import_module(package)
+        except ImportError:
+            raise SpecError(f"tune.search.algorithm {section.search.algorithm} needs the {package} package; "
+                            f"install it with: pip install '{EXTRA}'") from None
 
 
 def searcher(section: TuneSection):
@@ -105,6 +106,10 @@ def scheduler(section: TuneSection, max_t: int):
         return ASHAScheduler(time_attr="training_iteration", grace_period=s.grace_period,
                              reduction_factor=s.reduction_factor, max_t=max_t)
     if s.name == "hyperband":
+        if section.search.algorithm == "bohb":  # BOHB's brackets: the searcher learns from each rung's results
+            from ray.tune.schedulers import HyperBandForBOHB
+
+            return HyperBandForBOHB(time_attr="epoch", max_t=max_t, reduction_factor=s.reduction_factor)
         return HyperBandScheduler(time_attr="epoch", max_t=max_t, reduction_factor=s.reduction_factor)
     bounds = {k: d.values for k, d in section.space.items() if d.kind in ("uniform", "loguniform")}
     return _population_based_training(max_t, time_attr="epoch", perturbation_interval=s.perturbation_interval,

@@ -133,16 +133,15 @@ class SchedulerSpec(_Strict):
 # tune.search.algorithm: grid and random draw every point up front (grid dimensions crossed, random ones
 # drawn with tune.seed); the others are Tune's searchers, which suggest each point from the results so far.
 UP_FRONT = ("grid", "random")
-SEARCHERS = ("optuna", "hyperopt")
-# Tune has more searchers; these need what raytf does not have yet, or were never run here.
-NOT_YET = {"bohb": "never run with raytf's trials; hyperband (tune.scheduler) pauses and promotes them",
-           "bayesopt": "never run with raytf's trials", "ax": "never run with raytf's trials",
+SEARCHERS = ("optuna", "hyperopt", "bohb")
+# Tune has more searchers; these were never run with raytf's trials.
+NOT_YET = {"bayesopt": "never run with raytf's trials", "ax": "never run with raytf's trials",
            "nevergrad": "never run with raytf's trials", "hebo": "never run with raytf's trials",
            "zoopt": "never run with raytf's trials"}
 
 
 class SearchSpec(_Strict):
-    algorithm: str = "grid"  # grid | random (every point drawn up front) | optuna | hyperopt (each suggested from the results so far)
+    algorithm: str = "grid"  # grid | random (every point drawn up front) | optuna | hyperopt | bohb (each suggested from the results so far; bohb with scheduler hyperband)
     # Points the searcher tries first, each a mapping of every space key to a value: a known-good
     # configuration, or one to compare against.
     points_to_evaluate: list[dict[str, Any]] = Field(default_factory=list)
@@ -217,6 +216,9 @@ class TuneSection(_Strict):
         if search.suggests:
             if not self.space:
                 raise ValueError(f"search.algorithm: {search.algorithm} needs a space to search; add tune.space")
+            if search.algorithm == "bohb" and (self.scheduler is None or self.scheduler.name != "hyperband"):
+                raise ValueError("search.algorithm: bohb suggests points for HyperBand's brackets and learns from "
+                                 "their rungs; add scheduler: {name: hyperband}")
             for key, dim in self.space.items():
                 if dim.kind == "grid":
                     raise ValueError(f"space.{key}: a grid is crossed up front; with search {search.algorithm} "
@@ -330,6 +332,12 @@ class Point:
 
 def _short(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def plain(value: Any) -> Any:
+    """A value as Python's own type: a searcher may suggest NumPy scalars (BOHB's int64 for a choice of
+    ints), which neither JSON nor a spec's strict types take."""
+    return value.item() if hasattr(value, "item") and hasattr(value, "dtype") else value
 
 
 def point_overrides(values: Mapping[str, Any], base: JobSpec, section: TuneSection, repeat: int) -> dict[str, Any]:

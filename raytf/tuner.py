@@ -84,7 +84,7 @@ class Suggested:
     nodes: list[dict[str, float]]  # the cluster's resources, node by node, when the sweep started
 
     def point(self, pid: str, config: Mapping[str, Any]) -> sweep.Point:
-        values = {k: config[k] for k in self.section.space if k in config}
+        values = {k: sweep.plain(config[k]) for k in self.section.space if k in config}
         return sweep.Point(pid, values, sweep.point_overrides(values, self.base.spec, self.section, 0))
 
     def job(self, point: sweep.Point, check_storage: bool = True, check_fit: bool = True) -> Job:
@@ -286,6 +286,7 @@ def _run_trial(config: dict[str, Any], jobs: dict[str, Job], code_env: dict[str,
     from raytf.checkpoint import Storage
     from raytf.driver import controller, output
 
+    config = {k: sweep.plain(v) for k, v in config.items()}  # as Tune filled it: NumPy scalars from some searchers
     if suggested is None:
         pid = config["point"]
         job = jobs[pid]

@@ -162,3 +162,21 @@ def test_ctrl_c_exits_130_and_sigterm_143_each_saying_interrupted(capsys):
         with pytest.raises(SystemExit) as exited, _exit_on_error():
             raise signalled
         assert exited.value.code == code and capsys.readouterr().err == said
+
+
+@pytest.mark.timeout(60)
+def test_a_task_imports_tensorflow_without_scikit_learn_which_then_imports_as_usual():
+    """Keras's scikit-learn wrappers import scikit-learn with TensorFlow (~0.75 CPU-s of every worker's start
+    here); a task's import leaves it out, and the user's own `import sklearn` afterwards works."""
+    pytest.importorskip("sklearn")
+    code = textwrap.dedent("""
+        import sys
+        from raytf.actor.task_actor import _import_tensorflow
+        _import_tensorflow()
+        left_out = "sklearn" not in sys.modules and "tensorflow" in sys.modules and "keras" in sys.modules
+        import sklearn.linear_model
+        print(left_out, round(float(sklearn.linear_model.LinearRegression().fit([[0], [1]], [0, 2]).coef_[0]), 6))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split("\n")[-2] == "True 2.0", proc.stdout

@@ -105,8 +105,11 @@ SEARCH_SPACE = {"optimizer.learning_rate": {"loguniform": [0.001, 0.1]}, "train.
     ({"mode": "lowest"}, "tune.mode: 'lowest' is not one of 'min' or 'max'"),
     ({"max_concurrent_trials": 0}, "tune.max_concurrent_trials: 0 is not a trial count; use auto or a number >= 1"),
     ({"scheduler": {"name": "asha", "grace": 1}}, "tune.scheduler.grace: unknown key; known keys here: name, grace_period"),
-    ({"search": {"algorithm": "bohb"}}, "'bohb' is not supported yet (never run with raytf's trials; hyperband"),
-    ({"search": {"algorithm": "tpe"}}, "'tpe' is not a search algorithm; use one of grid, random, optuna, hyperopt"),
+    ({"search": {"algorithm": "ax"}}, "'ax' is not supported yet (never run with raytf's trials); use one of"),
+    ({"search": {"algorithm": "bohb"}, "space": SEARCH_SPACE},
+     "tune.search.algorithm: bohb suggests points for HyperBand's brackets and learns from their rungs; add "
+     "scheduler: {name: hyperband}"),
+    ({"search": {"algorithm": "tpe"}}, "'tpe' is not a search algorithm; use one of grid, random, optuna, hyperopt, bohb"),
     ({"search": {"algorithm": "optuna"}, "space": {"train.global_batch_size": {"grid": [32, 64]}}},
      "tune.space.train.global_batch_size: a grid is crossed up front; with search optuna write {choice: [32, 64]}"),
     ({"search": {"algorithm": "optuna", "points_to_evaluate": [{"optimizer.learning_rate": 0.5}]}, "space": SEARCH_SPACE},
@@ -115,7 +118,7 @@ SEARCH_SPACE = {"optimizer.learning_rate": {"loguniform": [0.001, 0.1]}, "train.
                                                                  "train.global_batch_size": 64}]}, "space": SEARCH_SPACE},
      "tune.search.points_to_evaluate[0]: optimizer.learning_rate: 0.5 is outside the space (loguniform: [0.001, 0.1])"),
     ({"search": {"algorithm": "grid", "points_to_evaluate": [{"optimizer.learning_rate": 0.01}]}},
-     "tune.search.points_to_evaluate: tried first by a searcher (optuna, hyperopt); with grid, put the values"),
+     "tune.search.points_to_evaluate: tried first by a searcher (optuna, hyperopt, bohb); with grid, put the values"),
     ({"scheduler": {"name": "pbt", "grace_period": 2}, "space": SEARCH_SPACE},
      "tune.scheduler: grace_period is asha's, not pbt's; pbt takes perturbation_interval, quantile_fraction"),
     ({"scheduler": {"name": "pbt"}, "space": {"optimizer.learning_rate": {"grid": [0.1, 0.2]}}},
@@ -188,22 +191,26 @@ def test_status_and_best_row():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("algorithm", ["optuna", "hyperopt"])
+@pytest.mark.parametrize("algorithm", ["optuna", "hyperopt", "bohb"])
 def test_a_searcher_tries_the_given_points_first_then_draws_inside_the_space(algorithm):
     from raytf import search
 
     first = {"optimizer.learning_rate": 0.003, "train.global_batch_size": 63}
-    s = section(space=SEARCH_SPACE, seed=3, search={"algorithm": algorithm, "points_to_evaluate": [first]})
+    bohb = {"scheduler": {"name": "hyperband"}} if algorithm == "bohb" else {}  # BOHB's brackets
+    s = section(space=SEARCH_SPACE, seed=3, search={"algorithm": algorithm, "points_to_evaluate": [first]}, **bohb)
     searcher = search.searcher(s)
     searcher.set_search_properties(s.metric, s.mode, search.param_space(s))
     suggested = [searcher.suggest(f"trial{i}") for i in range(6)]
     assert {k: suggested[0][k] for k in first} == first
     for config in suggested[1:]:
         assert 0.001 <= config["optimizer.learning_rate"] <= 0.1 and config["train.global_batch_size"] in (63, 64)
+        plain = {k: sweep.plain(v) for k, v in config.items()}  # what a trial takes (BOHB suggests NumPy ints)
+        assert type(plain["train.global_batch_size"]) is int and json.loads(json.dumps(plain)) == plain
     searcher.on_trial_complete("trial0", error=True)  # what Tune does with an unrunnable point's trial
     searcher.on_trial_complete("trial1", result={"val_loss": 0.5, **suggested[1]})
     assert search.point_id("1_optimizer.learning_rate=0.003", s) == "t00"  # a searcher's count starts at 1
-    assert search.point_id("12_x=1", section(space=SEARCH_SPACE, num_samples=120, search={"algorithm": algorithm})) == "t011"
+    assert search.point_id("12_x=1", section(space=SEARCH_SPACE, num_samples=120, search={"algorithm": algorithm},
+                                             **bohb)) == "t011"
 
 
 @pytest.mark.timeout(60)
@@ -230,7 +237,7 @@ def test_a_suggested_point_that_cannot_run_says_why(job_dir):
 
 @pytest.mark.timeout(30)
 def test_each_scheduler_is_tunes_own_with_the_epoch_as_its_clock():
-    from ray.tune.schedulers import ASHAScheduler, HyperBandScheduler, PopulationBasedTraining
+    from ray.tune.schedulers import ASHAScheduler, HyperBandForBOHB, HyperBandScheduler, PopulationBasedTraining
 
     from raytf import search
 
@@ -238,6 +245,9 @@ def test_each_scheduler_is_tunes_own_with_the_epoch_as_its_clock():
     assert isinstance(asha, ASHAScheduler)
     hyperband = search.scheduler(section(scheduler={"name": "hyperband", "reduction_factor": 3}), max_t=9)
     assert isinstance(hyperband, HyperBandScheduler) and hyperband._time_attr == "epoch" and hyperband._max_t_attr == 9
+    bohb = search.scheduler(section(scheduler={"name": "hyperband"}, space=SEARCH_SPACE, search={"algorithm": "bohb"}),
+                            max_t=4)
+    assert type(bohb) is HyperBandForBOHB and bohb._time_attr == "epoch"  # the brackets BOHB learns from
     pbt_section = section(scheduler={"name": "pbt", "perturbation_interval": 2}, space=SEARCH_SPACE)
     pbt = search.scheduler(pbt_section, max_t=6)
     assert isinstance(pbt, PopulationBasedTraining) and pbt._synch and pbt._perturbation_interval == 2
@@ -522,6 +532,42 @@ def test_pbt_copies_a_better_trials_checkpoint_and_perturbs_rate_and_batch_with_
     assert [h["val_loss"] for h in taker["history"][:last["after_epoch"]]] == pytest.approx(
         [float(r["val_loss"]) for r in donor_progress[:last["after_epoch"]]])
     assert open(result.plot_path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert_nothing_left()
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_a_bohb_search_pauses_and_promotes_its_suggested_trials_with_every_epoch_trained_once(cluster, job_dir):
+    """BOHB (Tune's TuneBOHB and HyperBandForBOHB) over learning rate (loguniform) x global batch (choice), every
+    trial a 2-worker job, one at a time (2 of the cluster's 3 CPUs): the given point first, then BOHB's, inside
+    the space. max_t 2, reduction factor 2: the first bracket's two trials pause at epoch 1 and the better one
+    is promoted, resuming from its epoch-1 checkpoint; no trial trains or reports an epoch twice."""
+    given = {"optimizer.learning_rate": 0.01, "train.global_batch_size": 48}
+    path = sweep_file(job_dir, {"space": {"optimizer.learning_rate": {"loguniform": [0.0001, 0.03]},
+                                          "train.global_batch_size": {"choice": [48, 96]}},
+                                "search": {"algorithm": "bohb", "points_to_evaluate": [given]},
+                                "scheduler": {"name": "hyperband", "reduction_factor": 2},
+                                "num_samples": 2, "seed": 2},
+                      cluster={"workers": 2, "cpus_per_worker": 1}, train={"epochs": 2})
+    result = raytf.tune(path)
+    rows = {r["point"]: r for r in result.rows}
+    assert sorted(rows) == ["t00", "t01"] and rows["t00"]["config"] == given, result.table
+    assert sorted(r["status"] for r in rows.values()) == ["completed", "stopped early"], result.table
+    for row in rows.values():
+        assert 0.0001 <= row["config"]["optimizer.learning_rate"] <= 0.03
+        assert row["config"]["train.global_batch_size"] in (48, 96)
+    promoted = [p for p, r in rows.items() if r["restores"]]
+    assert promoted, result.table
+    for point in promoted:
+        batch = rows[point]["config"]["train.global_batch_size"]
+        assert [(r["from"], r["after_epoch"], r["step"]) for r in rows[point]["restores"]] == [(point, 1, 1437 // batch)]
+    for point, row in rows.items():
+        if row["status"] == "completed":
+            saved = json.loads((job_dir / "runs" / "t" / "trials" / point / "result.json").read_text())
+            assert [h["epoch"] for h in saved["history"]] == [1, 2] and len({t["weights_digest"] for t in saved["tasks"]}) == 1
+            assert [float(r["epoch"]) for r in tune_progress(job_dir, point)] == [1.0, 2.0]
+    best = load(result.best_spec_path)
+    assert best.spec.optimizer.learning_rate == result.best["config"]["optimizer.learning_rate"]
     assert_nothing_left()
 
 
