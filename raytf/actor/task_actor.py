@@ -170,7 +170,7 @@ class TaskActor:
 
 def _import_tensorflow() -> None:
     """Import TensorFlow without the scikit-learn that Keras's scikit-learn wrappers import along with it where
-    it is installed: 0.6 of TensorFlow's ~4 CPU-s here, in every worker, for wrappers no TF task uses.
+    it is installed: about 0.75 of TensorFlow's ~3.3 CPU-s here, in every worker, for wrappers no TF task uses.
     scikit-learn imports as usual afterwards (keras.wrappers' SKLearn* classes, made without it, then say it
     is missing: docs/known-issues.md)."""
     import sys
