@@ -336,23 +336,22 @@ class Controller:
         key = None if self.decisions else self.backend.process_key(self.attempt.spec)
         return self.resources.take_kept(self.pg, key, self.env, len(self.attempt.bundles))
 
-    def _key_to_keep(self) -> str | None:
-        """The key a succeeded job's group may be kept under for a sweep's next trial (raytf.actor.reuse): not
-        outside a trial's placement group, nor on a node being drained."""
+    def _process_key(self) -> str | None:
+        """The key this attempt's group could be kept under for a sweep's next trial (raytf.actor.reuse); None
+        outside a trial's placement group, or for a strategy whose processes are not reused."""
         a = self.attempt
-        if self.given_pg is None or a.group is None:
-            return None
-        draining = self.resources.draining()
-        if any(t.node_id in draining for t in a.tasks):
+        if self.given_pg is None or a is None or a.group is None:
             return None
         return self.backend.process_key(a.spec)
 
     def _keep_or_stop_group(self) -> None:
         """After a job that ended well, and only then (a Tune report from the last epochs may still stop the
-        trial): its group stays for the next trial in this process, or stops."""
-        a = self.attempt
-        if a is not None and a.group is not None and self.resources.keep(a.group, a.tasks, self._key_to_keep()):
-            a.group = None
+        trial): its group stays for the next trial in this process, or stops. Not one on a draining node."""
+        a, key = self.attempt, self._process_key()
+        if key is not None:
+            draining = self.resources.draining()
+            if not any(t.node_id in draining for t in a.tasks) and self.resources.keep(a.group, a.tasks, key):
+                a.group = None
         self._stop_group()
 
     def _set_up_kept(self, kept, timeout_s: float) -> bool:
@@ -526,7 +525,7 @@ class Controller:
 
     def _finish(self) -> None:
         a = self.attempt
-        if self._key_to_keep() is None:  # otherwise decided once the job has ended well (_keep_or_stop_group)
+        if self._process_key() is None:  # otherwise decided once the job has ended well (_keep_or_stop_group)
             self._stop_group()
         self._phase("train_s")
         spec, result = self.spec, self.result

@@ -284,8 +284,9 @@ class RayResources:
     """Placement groups through Ray, and warm standby actors: one per bundle, started once an attempt's
     actors are set up (or once a restarted attempt trains again), each with TensorFlow imported and no
     resources of its own. Most of a restart is new processes importing TensorFlow; a restart promotes
-    these instead (TF 2.21 cannot re-form a collective group inside a process that was in one, so
-    survivors cannot be reused)."""
+    these instead (TF 2.21 re-forms a collective group inside a process that was in one only over the same
+    cluster, so a failed attempt's survivors are not reused; a sweep keeps only the processes of a job that
+    ended well: keep, take_kept)."""
 
     def __init__(self, group_cls=RayWorkerGroup, standby_enabled: bool = False, standby_check_s: float = 1.0,
                  keep_processes: bool = False):
@@ -344,7 +345,6 @@ class RayResources:
             return group, tasks
         group.stop()
         return None
-
 
     def fill_standby(self, pg, env: dict[str, Any], tasks: list[Task], job: str = "") -> None:
         """One warm process per task, named raytf:<job>:standby-<rank> (it keeps that name once promoted)."""
