@@ -1,6 +1,6 @@
 """A run lives in storage: output.dir as a URI on a real S3 API (tests/s3_server.py), `resume: auto` across
-clusters, attempts in result.json, `raytf results`, bad storage found before anything starts, and the KubeRay
-RayJob manifest of `raytf k8s`.
+clusters, attempts in result.json, `raytf results`, bad storage found before anything starts. (The KubeRay
+RayJob manifest of `raytf k8s` is test_k8s's.)
 
 (The parameter-server job and the sweep into a bucket are test_parameter_server's; the submitted job's is
 test_submit's.)"""
@@ -189,72 +189,6 @@ def test_submit_says_where_the_results_go(job_dir):
     assert submit.OUTPUT_KEY not in local.metadata
     assert "runs/t/ in the head's temporary copy of the job folder, which Ray removes" in local.results
     assert "--set output.dir=s3://bucket/runs/t" in local.results
-
-
-# ---------------------------------------------------------------- raytf k8s: a KubeRay RayJob
-
-QUANTITY = re.compile(r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
-DNS_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-
-
-def check_pod_template(template: dict, where: str) -> list[dict]:
-    containers = template["spec"]["containers"]
-    assert containers, where
-    for c in containers:
-        assert c["name"] and c["image"], where  # required by the Pod spec
-        for kind in ("limits", "requests"):
-            for key, value in c["resources"][kind].items():
-                assert isinstance(value, str) and QUANTITY.match(value), (where, key, value)
-    return containers
-
-
-def test_raytf_k8s_writes_a_rayjob_kuberay_accepts_sized_from_the_spec(job_dir):
-    """The fields KubeRay's RayJob CRD (ray.io/v1, ray-operator/config/crd/bases/ray.io_rayjobs.yaml) requires:
-    spec.entrypoint, rayClusterSpec.headGroupSpec.{rayStartParams, template}, and per worker group groupName,
-    rayStartParams and template; quantities in Kubernetes' format; names DNS-1123."""
-    spec = base_spec(name="Digits_GPU.v2", output={"dir": "s3://team/runs/digits"}, train={"global_batch_size": 96},
-                     cluster={"workers": 3, "cpus_per_worker": 4, "gpus_per_worker": 1, "resources_per_worker": {"spot": 1}})
-    write_job(job_dir, spec)
-    proc = raytf_cli("k8s", "job.yaml", "--image", "registry.example/digits:1", "--queue", "team-a",
-                     "--storage-secret", "s3-credentials", "--set", "train.epochs=9", cwd=job_dir)
-    assert proc.returncode == 0, proc.stderr
-    manifest = yaml.safe_load(proc.stdout)
-
-    assert manifest["apiVersion"] == "ray.io/v1" and manifest["kind"] == "RayJob"
-    assert DNS_1123.match(manifest["metadata"]["name"]) and manifest["metadata"]["name"] == "digits-gpu-v2"
-    assert manifest["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
-    job = manifest["spec"]
-    assert job["entrypoint"] == "cd /app && raytf run job.yaml --resume auto --set train.epochs=9"
-    assert job["backoffLimit"] == 2 and job["shutdownAfterJobFinishes"] is True
-    cluster = job["rayClusterSpec"]
-    assert cluster["authOptions"] == {"mode": "token"} and cluster["rayVersion"].startswith("2.60")
-    head = cluster["headGroupSpec"]
-    assert head["rayStartParams"]["num-cpus"] == "0"  # the head runs the driver, no training task
-    head_containers = check_pod_template(head["template"], "head")
-    assert head_containers[0]["envFrom"] == [{"secretRef": {"name": "s3-credentials"}}]
-    [group] = cluster["workerGroupSpecs"]
-    assert group["groupName"] and group["replicas"] == group["minReplicas"] == group["maxReplicas"] == 3
-    # as KubeRay's samples quote --resources for the shell it pastes rayStartParams into
-    assert group["rayStartParams"] == {"num-cpus": "4", "num-gpus": "1", "resources": '"{\\"spot\\":1}"'}
-    [worker] = check_pod_template(group["template"], "worker")
-    assert worker["image"] == "registry.example/digits:1"
-    assert worker["resources"]["limits"] == {"cpu": "4", "memory": "8Gi", "nvidia.com/gpu": "1"}
-
-    ps = write_job(job_dir, {**base_spec(strategy="parameter_server", output={"dir": "gs://team/ps"},
-                                         cluster={"workers": 2, "ps": 2, "cpus_per_ps": 2, "cpus_per_worker": 1})},
-                   "ps.yaml")
-    groups = yaml.safe_load(raytf_cli("k8s", ps.name, cwd=job_dir).stdout)["spec"]["rayClusterSpec"]["workerGroupSpecs"]
-    assert sorted((g["rayStartParams"]["num-cpus"], g["replicas"]) for g in groups) == [("1", 3), ("2", 2)]  # chief+2 workers, 2 ps
-    half = yaml.safe_load(raytf_cli("k8s", ps.name, "--set", "cluster.cpus_per_worker=0.5", "--set", "name=2024_run",
-                                    cwd=job_dir).stdout)
-    assert half["metadata"]["name"] == "r-2024-run"  # a DNS-1035 name starts with a letter
-    assert {g["rayStartParams"]["num-cpus"] for g in half["spec"]["rayClusterSpec"]["workerGroupSpecs"]} == {"1", "2"}
-    bad_memory = raytf_cli("k8s", ps.name, "--worker-memory", "8GB", cwd=job_dir)
-    assert bad_memory.returncode == 2 and "--worker-memory '8GB' is not a Kubernetes quantity" in bad_memory.stderr
-
-    local = raytf_cli("k8s", "job.yaml", "--set", "output.dir=runs/x", cwd=job_dir)
-    assert local.returncode == 2 and "KubeRay deletes with the cluster" in local.stderr
-    assert "--set output.dir=s3://bucket/runs/Digits_GPU.v2" in local.stderr
 
 
 # ---------------------------------------------------------------- a run killed, then started on a new cluster
