@@ -11,15 +11,17 @@ import dataclasses
 import json
 import os
 import posixpath
+import sys
 from typing import Any
 
 import pyarrow.fs as pafs
 
-from raytf.errors import SpecError
+from raytf.errors import RaytfError, SpecError, clip
 from raytf.storage import open_fs, probe_write
 
 META = "raytf.json"
 PREFIX = "ckpt-"
+_warned: set[str] = set()  # checkpoints already said to be skipped: the listing is polled, the line said once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,11 +85,12 @@ class Storage:
                             f"choose a writable directory or URI") from None
 
     def list(self) -> list[CheckpointInfo]:
-        """Complete checkpoints, oldest first."""
+        """Complete checkpoints, oldest first. A folder that does not exist holds none; a store that fails to
+        list (down, throttling, refusing) is a RaytfError: read as "none", a restart would begin at step 0."""
         try:
             entries = self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True))
-        except Exception:
-            return []
+        except Exception as exc:
+            raise self._unreadable("list its checkpoints", exc) from None
         found = []
         for entry in entries:
             name = posixpath.basename(entry.path.rstrip("/"))
@@ -95,13 +98,24 @@ class Storage:
                 continue
             try:
                 with self.fs.open_input_stream(posixpath.join(entry.path, META)) as f:
-                    meta = json.loads(f.read())
-            except Exception:  # no raytf.json: incomplete, or not ours
+                    data = f.read()
+            except FileNotFoundError:  # no raytf.json: incomplete (an upload cut short), or pruned meanwhile
                 continue
-            found.append(CheckpointInfo(path=self.uri(entry.path), step=meta["step"], epoch=meta["epoch"],
-                                        step_in_epoch=meta["step_in_epoch"], history=tuple(meta.get("history", ())),
-                                        world_size=meta.get("world_size", 0)))
+            except Exception as exc:
+                raise self._unreadable(f"read {name}/{META}", exc) from None
+            info, problem = _parse(self.uri(entry.path), data)
+            if info is None:
+                _skip(self.uri(entry.path), problem)
+                continue
+            found.append(info)
         return sorted(found, key=lambda c: c.step)
+
+    def _unreadable(self, doing: str, exc: Exception) -> RaytfError:
+        lines = str(exc).strip().splitlines()
+        cause = clip(lines[0] if lines else type(exc).__name__)
+        fix = ("check the endpoint (AWS_ENDPOINT_URL), the credentials and the network, then run again"
+               if "://" in self.location else "check that this user may read it")
+        return RaytfError(f"checkpoint.dir {self.location}: cannot {doing} ({cause}); {fix}")
 
     def latest(self, exclude: set[str] = frozenset()) -> CheckpointInfo | None:
         usable = [c for c in self.list() if c.path not in exclude]
@@ -141,7 +155,10 @@ class Storage:
 
     def prune(self, keep: int) -> None:
         """Delete all but the newest `keep` complete checkpoints (incomplete ones older than those too)."""
-        complete = self.list()
+        try:
+            complete = self.list()
+        except RaytfError:  # the checkpoint just saved stands; the next save prunes
+            return
         if len(complete) <= keep:
             return
         for old in complete[:-keep]:
@@ -150,3 +167,34 @@ class Storage:
                 self.fs.delete_dir(path)
             except Exception:  # already gone
                 pass
+
+
+def _parse(path: str, data: bytes) -> tuple[CheckpointInfo | None, str]:
+    """A checkpoint's raytf.json as CheckpointInfo, or None and what is wrong with it."""
+    try:
+        meta = json.loads(data)
+    except (ValueError, RecursionError):
+        return None, "is not JSON (a write cut short)"
+    if not isinstance(meta, dict):
+        return None, "is not a JSON object"
+    for key in ("step", "epoch", "step_in_epoch"):
+        if key not in meta:
+            return None, f'has no "{key}"'
+    for key in ("step", "epoch", "step_in_epoch", "world_size"):
+        value = meta.get(key, 0)
+        if type(value) is not int or value < 0:  # bool is an int: excluded by the exact type
+            return None, f'has "{key}": {clip(json.dumps(value), 80)}, not a whole number'
+    history = meta.get("history", [])
+    if not isinstance(history, list) or not all(isinstance(h, dict) for h in history):
+        return None, '"history" is not a list of objects'
+    return CheckpointInfo(path=path, step=meta["step"], epoch=meta["epoch"], step_in_epoch=meta["step_in_epoch"],
+                          history=tuple(history), world_size=meta.get("world_size", 0)), ""
+
+
+def _skip(path: str, problem: str) -> None:
+    """Say once, in one line, that a checkpoint is passed over (the one before it is used instead)."""
+    if path in _warned:
+        return
+    _warned.add(path)
+    print(f"raytf: skipping checkpoint {path}: its {META} {problem}; the checkpoint before it is used instead "
+          f"(repair that {META} or remove the folder)", file=sys.stderr, flush=True)
