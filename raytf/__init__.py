@@ -37,22 +37,41 @@ def fit(spec_or_path: "str | Mapping[str, Any] | JobSpec | Job", overrides: Mapp
     `verbose`: Ray's and TensorFlow's own output too (the workers' logs, TensorFlow's start-up lines).
     """
     from raytf import job as job_lib
-    from raytf.driver import packaging, quiet
 
     merged = dict(overrides or {})
     merged.update({k.replace("__", "."): v for k, v in dotted_overrides.items()})
     if resume is not None:
         merged["resume"] = resume
     display = display or ProgressDisplay(quiet=True)
-    from raytf.driver import attempts
     from raytf.storage import Folder
 
     # A run that already succeeded in its storage (resume: auto) is answered from there, before its data is
     # read or its code imported: a retry of a finished job costs a second, not a TensorFlow start. This load
     # also checks that output.dir and checkpoint.dir can be written.
     shape = job_lib.load(spec_or_path, merged, check_data=False, check_code=False)
-    mode = shape.spec.resume
     storage = Folder(shape.output_where, "output.dir")
+    from raytf.driver import lease as leases
+    from raytf.driver import output
+
+    # output.dir in storage is held by one live attempt across machines, from before the job's code is read.
+    held = leases.Lease.acquire(storage, shape.spec.name) if storage.remote else None
+    try:
+        if held is not None:
+            shipped = output.ship_leftover(storage, held)  # an earlier attempt's results, before reading its state
+            if shipped:
+                display.message(shipped)
+        return _fit_held(spec_or_path, merged, shape, storage, held, address, display, verbose)
+    finally:
+        if held is not None:
+            held.release()
+
+
+def _fit_held(spec_or_path, merged, shape: Job, storage, held, address, display, verbose) -> Result:
+    """fit, once output.dir is this driver's (its lease taken, for a URI)."""
+    from raytf import job as job_lib
+    from raytf.driver import attempts, packaging, quiet
+
+    mode = shape.spec.resume
     previous = storage.read_json("result.json") if mode else None
     if mode == "auto" and attempts.succeeded(previous, shape.spec.name):
         display.message(f"raytf: resume: auto: {shape.spec.name} already succeeded in "
@@ -76,7 +95,7 @@ def fit(spec_or_path: "str | Mapping[str, Any] | JobSpec | Job", overrides: Mapp
     note = resume_note(job.checkpoint_dir, mode)  # --resume and checkpoint.dir agree, before anything starts
     if note:
         display.message(note)
-    with output.claim(job, bool(mode)), ray_session(address, verbose) as logs_hint:
+    with output.claim(job, bool(mode), held) as job, ray_session(address, verbose) as logs_hint:
         if logs_hint:
             display.message(logs_hint)
         latest = Storage(job.checkpoint_dir).latest() if mode and job.checkpoint_dir else None

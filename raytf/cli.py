@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import signal
 import sys
 
@@ -59,11 +60,26 @@ def _exit_on_error(interrupted: str = "raytf: interrupted", verbose: bool = Fals
         if verbose and exc.traceback:
             click.echo(exc.traceback.rstrip(), err=True)
         click.echo(f"raytf: error: {exc}", err=True)
-        sys.exit(exc.exit_code)
+        _exit(exc.exit_code)
     except KeyboardInterrupt as exc:  # 128 + the signal, as shells report it
         terminated = isinstance(exc, Terminated) or signal.SIGTERM in _signals
         click.echo(interrupted + (" (SIGTERM)" if terminated else ""), err=True)
-        sys.exit(143 if terminated else 130)
+        _exit(143 if terminated else 130)
+
+
+def _exit(code: int) -> None:
+    """Exit with `code`; at once when a store call was abandoned (pyarrow's S3 client would wait for it at
+    exit, without end)."""
+    from raytf import storage
+
+    if "pyarrow" in sys.modules and storage.calls_abandoned():
+        from raytf.driver import quiet
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        quiet.stop_filtering_stderr()  # its lines still in the pipe reach the terminal first
+        os._exit(code)
+    sys.exit(code)
 
 
 class _ResumeAutoCommand(click.Command):
@@ -337,7 +353,8 @@ def stop(job_id: str, address: str | None, timeout_s: float, allow_http_token: b
 def results(run_name: str, settings: tuple[str, ...], as_json: bool) -> None:
     """Show a run's results from its storage: RUN is its output.dir (a folder or a URI such as
     s3://bucket/runs/m), its job file, or its name (runs/<name> here). Exit 0 succeeded or running, 1 failed
-    or interrupted, 2 no result there."""
+    or interrupted, 2 no result there or not raytf's (a bad RUN, a result.json of other types), 5 the storage
+    cannot be read (endpoint down, credentials refused)."""
     import json
 
     from raytf import results as run_results
@@ -351,13 +368,14 @@ def results(run_name: str, settings: tuple[str, ...], as_json: bool) -> None:
 
 @main.command("k8s")
 @click.argument("job_file", type=click.Path(dir_okay=False))
-@click.option("--image", default=None, help=("The image every Ray pod runs: Ray, raytf, TensorFlow and the job folder "
-                                             "at --workdir (default: rayproject/ray:<ray version>-py311, which has none "
-                                             "of raytf's)."))
+@click.option("--image", default=None, help=("Required: the image every Ray pod runs, with Ray, raytf, TensorFlow and "
+                                             "the job folder at --workdir."))
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
               help="Override a spec key (repeatable); passed on to `raytf run` in the entrypoint.")
-@click.option("--workdir", default="/app", show_default=True, help="The job folder's path inside the image.")
+@click.option("--workdir", default="/app", show_default=True, help="The job folder's absolute path inside the image.")
 @click.option("--queue", default=None, help="A Kueue LocalQueue: the RayJob waits in it until Kueue admits it.")
+@click.option("--priority-class", default=None, metavar="NAME",
+              help="A PriorityClass for every Ray pod (the scheduler's, and Kueue's, priority and preemption).")
 @click.option("--token-secret", default=None, help=("A Secret with key auth_token for Ray's token auth (default: "
                                                     "KubeRay generates one)."))
 @click.option("--storage-secret", default=None, help=("A Secret whose keys become the pods' environment: the "
@@ -366,14 +384,26 @@ def results(run_name: str, settings: tuple[str, ...], as_json: bool) -> None:
 @click.option("--worker-memory", default="8Gi", show_default=True, help="Memory of each worker pod.")
 @click.option("--retries", default=2, show_default=True, type=click.IntRange(0, 100),
               help="RayJob backoffLimit: new clusters KubeRay may build after a failure; each resumes (--resume auto).")
+@click.option("--start-deadline", default=1800, show_default=True, metavar="SECONDS",  # raytf.k8s.START_DEADLINE
+              type=click.IntRange(0, 2**31 - 1),
+              help=("preRunningDeadlineSeconds: an attempt whose cluster is not running this long after it started "
+                    "fails (and is retried); 0: no deadline."))
+@click.option("--keep-after-success", default=0, show_default=True, metavar="SECONDS",
+              type=click.IntRange(0, 2**31 - 1),
+              help="How long the cluster stays after the job succeeded (with --queue: after it ended).")
+@click.option("--keep-after-failure", default=None, metavar="SECONDS", type=click.IntRange(0, 2**31 - 1),
+              help=("After the last attempt failed, the workers go at once and the head stays this long, for its "
+                    "logs and dashboard [default: 3600; not with --queue]."))  # raytf.k8s.KEEP_AFTER_FAILURE
 @click.option("--output", "-o", "output_file", default="-", show_default=True, help="Where to write the manifest.")
 @_stderr_filtered
 def k8s(job_file: str, image: str | None, settings: tuple[str, ...], workdir: str, queue: str | None,
-        token_secret: str | None, storage_secret: str | None, worker_memory: str, retries: int,
+        priority_class: str | None, token_secret: str | None, storage_secret: str | None, worker_memory: str,
+        retries: int, start_deadline: int, keep_after_success: int, keep_after_failure: int | None,
         output_file: str) -> None:
-    """Write a KubeRay RayJob manifest for JOB_FILE: head and worker groups sized from the spec, token auth,
-    `raytf run JOB_FILE --resume auto` as the entrypoint. output.dir must be a URI (a retry builds a new cluster).
-    No Ray, no Kubernetes client: apply it with `kubectl apply -f`."""
+    """Write a KubeRay RayJob manifest (KubeRay 1.6.0 or later) for JOB_FILE: head and worker groups sized from
+    the spec, token auth, `raytf run JOB_FILE --resume auto` as the entrypoint, the cluster deleted after the job.
+    output.dir must be a URI (a retry builds a new cluster). No Ray, no Kubernetes client: apply it with
+    `kubectl apply -f`."""
     from pathlib import Path
 
     import yaml
@@ -382,6 +412,8 @@ def k8s(job_file: str, image: str | None, settings: tuple[str, ...], workdir: st
     from raytf import k8s as manifests
 
     with _exit_on_error():
+        if output_file != "-" and (problem := manifests.output_file_problem(output_file, job_file)):
+            raise SpecError(problem)
         path = Path(job_file).expanduser().resolve()
         job = job_lib.read_job(job_file, settings)
         try:
@@ -390,14 +422,19 @@ def k8s(job_file: str, image: str | None, settings: tuple[str, ...], workdir: st
             raise SpecError(f"{job_file}: the job file must be inside its job folder {job.job_dir} (the image holds "
                             f"that folder at --workdir)") from None
         manifest = manifests.rayjob(job, inside, image=image, settings=settings, queue=queue,
-                                    token_secret=token_secret, storage_secret=storage_secret, workdir=workdir,
-                                    worker_memory=worker_memory, backoff_limit=retries)
-    text = yaml.dump(manifest, Dumper=manifests.PlainDumper, sort_keys=False)
-    if output_file == "-":
-        click.echo(text, nl=False)
-    else:
-        Path(output_file).write_text(text)
-        click.echo(f"raytf: wrote {output_file}; `kubectl apply -f {output_file}` runs it", err=True)
+                                    priority_class=priority_class, token_secret=token_secret,
+                                    storage_secret=storage_secret, workdir=workdir, worker_memory=worker_memory,
+                                    backoff_limit=retries, start_deadline=start_deadline,
+                                    keep_after_success=keep_after_success, keep_after_failure=keep_after_failure)
+        text = yaml.dump(manifest, Dumper=manifests.PlainDumper, sort_keys=False, width=10_000)  # no folded lines
+        if output_file == "-":
+            click.echo(text, nl=False)
+            return
+        try:
+            Path(output_file).expanduser().write_text(text)
+        except OSError as exc:
+            raise SpecError(f"-o {output_file}: cannot write it ({exc.strerror or exc}); write elsewhere") from None
+    click.echo(f"raytf: wrote {output_file}; `kubectl apply -f {output_file}` runs it", err=True)
 
 
 @main.command()

@@ -20,7 +20,7 @@ from raytf.errors import SpecError, clip
 from raytf.job_code import check_job_code, check_train_fn_keras, find_module
 from raytf.labels import check_labels
 from raytf.spec import FUNCTION_KEYS, JobSpec, function_ref
-from raytf.storage import is_uri, staging_dir
+from raytf.storage import is_uri, shown, uri_problem
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +31,7 @@ class Job:
     job_dir: Path
     source: str | None = None  # the YAML path, for messages
     datasets: dict = dataclasses.field(default_factory=dict)  # split -> data.DatasetInfo, read once by load
+    staging: Path | None = None  # for output.dir in storage: the local folder raytf.driver.output.claim made
 
     @property
     def checkpoint_dir(self) -> str | None:
@@ -53,7 +54,12 @@ class Job:
         """The local folder this process writes the run's results into: output.dir itself, or for a URI a
         staging folder on this machine that raytf.driver.output ships up to it."""
         where = self.output_where
-        return staging_dir(where, self.spec.name) if is_uri(where) else Path(where)
+        if not is_uri(where):
+            return Path(where)
+        if self.staging is None:
+            raise RuntimeError(f"output.dir {where}: results are written only into the staging folder "
+                               f"raytf.driver.output.claim makes for the run")
+        return self.staging
 
     def output_location(self, rel: str) -> str:
         """Where a result file ends up (a URI for output.dir on object storage)."""

@@ -49,6 +49,16 @@ class DecodeSpec(_Strict):
         return self
 
 
+def _storage_uri(value: str | None) -> str | None:
+    """A storage URI with no bucket, or with credentials in it, is refused (raytf.storage.uri_problem)."""
+    from raytf.storage import uri_problem
+
+    problem = uri_problem(value) if value is not None else None
+    if problem:
+        raise ValueError(f"the URI {problem}")
+    return value
+
+
 class DataSpec(_Strict):
     train: str = Field(description=(
         "The training rows: a Parquet file, a directory of them (searched recursively), a glob, or a pyarrow.fs URI "
@@ -68,6 +78,7 @@ class DataSpec(_Strict):
     decode: list[DecodeSpec] = Field(default_factory=list, description=(
         "Encoded-image columns to decode into uint8 [height, width, channels] tensors, per example inside tf.data (a "
         "single mapping is taken as a list of one)."))
+    _uris = field_validator("train", "validation")(classmethod(lambda cls, v: _storage_uri(v)))
     preprocess: str | None = Field(default=None, pattern=FUNCTION_REF, description=(
         "A module:function (TF ops only) mapping each example dict, label included, to the dict the model trains on; "
         "inside tf.data, num_parallel_calls=AUTOTUNE, order kept. It may take `training` and `seed`."))
@@ -409,6 +420,7 @@ class CheckpointSpec(_Strict):
     every_epochs: int | None = Field(default=None, ge=1, description=(
         "Checkpoint every this many epochs. None (and no every_steps): every epoch."))
     keep: int = Field(default=3, ge=1, description="Checkpoints kept; older ones are pruned.")
+    _uri = field_validator("dir")(classmethod(lambda cls, v: _storage_uri(v)))
 
     @model_validator(mode="after")
     def _one_interval(self) -> "CheckpointSpec":
@@ -445,6 +457,7 @@ class OutputSpec(_Strict):
     dir: str | None = Field(default=None, min_length=1, description=(
         "Where result.json, the model, the SavedModel and TensorBoard events go: a local folder or a URI pyarrow.fs "
         "opens (s3://bucket/path, gs://, hdfs://). None: runs/<name> in the job folder."))
+    _uri = field_validator("dir")(classmethod(lambda cls, v: _storage_uri(v)))
     tensorboard: bool = Field(default=True, description="Write TensorBoard events (epoch scalars, timing).")
     export: list[Literal["keras", "saved_model"]] = Field(default_factory=lambda: ["keras"], min_length=1, description=(
         "keras: model.keras; saved_model: a TensorFlow SavedModel for TF Serving, at saved_model/."))

@@ -6,18 +6,100 @@ SavedModel, TensorBoard events, result.json) up into it. No Ray, no TensorFlow.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import posixpath
+import re
+import stat
 import tempfile
+import threading
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
-from raytf.errors import SpecError
+from raytf.errors import RaytfError, SpecError
 
 CHUNK = 8 << 20
+# Every call to a store has this deadline: a silent endpoint is an error after it, never a hang. The variable is
+# read once, here, for every raytf process (the driver, a sweep's trials, `raytf results`).
+TIMEOUT_S = float(os.environ.get("RAYTF_STORAGE_TIMEOUT_S") or 30.0)
+STAGING_PREFIX = "raytf-staging-"
+STAGING_MARK = ".raytf-staging"  # in a staging folder: the token its run's lease records (raytf.driver.lease)
+T = TypeVar("T")
+
+
+class StorageTimeout(RaytfError):
+    """A store that did not answer in time (exit 1: the environment, not the spec)."""
+
+
+def uri_problem(where: str) -> str | None:
+    """What is wrong with a storage URI before anything opens it (pure), or None: a URI with no bucket or
+    host (`s3://` alone), or credentials inside it (every log, result.json and manifest would repeat them).
+    The text never repeats the credentials."""
+    match = re.match(r"^([a-z][a-z0-9+.-]*)://([^/]*)", where, re.IGNORECASE)
+    if match is None:
+        return None
+    scheme, authority = match.group(1).lower(), match.group(2)
+    if "@" in authority:
+        return (f"carries credentials before '@', which logs, result.json and manifests would repeat; give "
+                f"{scheme}://<bucket>/<path> and the credentials in the environment (AWS_ACCESS_KEY_ID and "
+                f"AWS_SECRET_ACCESS_KEY for s3://, GOOGLE_APPLICATION_CREDENTIALS for gs://)")
+    if scheme != "file" and not authority:
+        return f"names no bucket or host; give {scheme}://<bucket>/<path>"
+    return None
+
+
+def shown(where: str) -> str:
+    """A URI fit for a message: credentials before '@' masked."""
+    return re.sub(r"^([a-z][a-z0-9+.-]*://)[^/@]*@", r"\1***@", str(where), flags=re.IGNORECASE)
+
+
+def endpoint_of(where: str) -> str:
+    """The server a URI talks to, for messages: the S3 endpoint from the environment, else scheme://bucket."""
+    if where.startswith("s3://"):
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            return endpoint
+    match = re.match(r"^([a-z][a-z0-9+.-]*://[^/]*)", where, re.IGNORECASE)
+    return shown(match.group(1)) if match else where
+
+
+_abandoned = threading.Event()
+
+
+def calls_abandoned() -> bool:
+    """Whether a store call was left running (a deadline passed, a signal came). pyarrow's S3 client then
+    waits for it at interpreter exit, without end: the CLI leaves with os._exit instead."""
+    return _abandoned.is_set()
+
+
+def within(timeout_s: float, what: str, call: Callable[[], T]) -> T:
+    """`call()` with a deadline. It runs in a thread of its own, so this thread waits in an interruptible
+    wait: Ctrl-C and SIGTERM are taken at once, and a store that never answers is a StorageTimeout naming
+    `what`. (A call abandoned on a deadline or a signal finishes, or not, in its thread: nothing waits for it.)"""
+    done, box = threading.Event(), {}
+
+    def target() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as exc:  # handed to the waiting thread
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name="raytf-storage-call", daemon=True).start()
+    try:
+        answered = done.wait(timeout_s)
+    except BaseException:  # Ctrl-C, SIGTERM: the call is left behind
+        _abandoned.set()
+        raise
+    if not answered:
+        _abandoned.set()
+        raise StorageTimeout(f"{what} did not answer within {timeout_s:g} s; check that the endpoint is up and "
+                             f"reachable from this machine")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def is_uri(where: str | os.PathLike) -> bool:
@@ -43,23 +125,61 @@ def probe_write(fs, root: str) -> None:
     fs.delete_file(probe)
 
 
-def staging_dir(uri: str, name: str) -> Path:
-    """Where a run whose output.dir is a URI writes before shipping: a folder of this machine's temp dir,
-    one per (run, URI), outside every job folder (so nothing lands in the job folder or a head's copy of it)."""
-    digest = hashlib.sha1(uri.encode()).hexdigest()[:12]
-    return Path(tempfile.gettempdir()) / "raytf-staging" / f"{name}-{digest}"
+def new_staging(name: str) -> tuple[Path, str]:
+    """A fresh staging folder for a run whose output.dir is a URI, and its token: made by mkdtemp in this
+    machine's temp dir (mode 0700, a name nobody can guess, so nobody can prepare it or plant a link there),
+    outside every job folder. The token, in the folder and in the run's lease, lets a later run on this
+    machine recognise it as a leftover of that run (`own_staging`)."""
+    path = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{name[:40]}-"))
+    token = uuid.uuid4().hex
+    (path / STAGING_MARK).write_text(token)
+    return path, token
+
+
+def own_staging(path: str | None, token: str | None) -> Path | None:
+    """`path` if it is a staging folder this user made for the lease holding `token`, or None: directly in
+    this machine's temp dir, named by new_staging, a real folder (not a link) owned by this user and private,
+    with the token inside. A record in a bucket can name any path: anything else is never read nor deleted."""
+    if not path or not token:
+        return None
+    folder = Path(path)
+    if str(folder.parent) != tempfile.gettempdir() or not folder.name.startswith(STAGING_PREFIX):
+        return None
+    try:
+        info = os.lstat(folder)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+            return None
+        fd = os.open(folder / STAGING_MARK, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd) as f:
+            return folder if f.read(100).strip() == token else None
+    except OSError:
+        return None
 
 
 class Folder:
-    """One folder of a file system; `what` names it in messages (e.g. "output.dir")."""
+    """One folder of a file system; `what` names it in messages (e.g. "output.dir"). Every call to a remote
+    store has a deadline (`timeout_s`): a silent endpoint is a StorageTimeout naming it, never a hang."""
 
-    def __init__(self, where: str, what: str = "output.dir"):
-        self.where, self.what = str(where).rstrip("/") or str(where), what
+    def __init__(self, where: str, what: str = "output.dir", timeout_s: float = TIMEOUT_S):
+        self.where, self.what, self.timeout_s = str(where).rstrip("/") or str(where), what, timeout_s
+        problem = uri_problem(str(where))
+        if problem:
+            raise SpecError(f"{what} {shown(str(where))} {problem}")
         try:
-            self.fs, self.root = open_fs(self.where)
+            self.fs, self.root = self._call(lambda: open_fs(self.where), "opening it")
+        except RaytfError:
+            raise
         except Exception as exc:  # an unknown scheme, a malformed URI, a missing library
             raise SpecError(f"{what} {self.where}: pyarrow cannot open it ({_first_line(exc)}); give a local path "
                             f"or a URI pyarrow.fs knows (s3://bucket/path, gs://bucket/path, hdfs://host/path)") from None
+
+    def _call(self, call: Callable[[], T], doing: str = "") -> T:
+        """A call to the file system, under the deadline when it is a remote store (a local disk is called
+        directly: its errors are immediate)."""
+        if not is_uri(self.where):
+            return call()
+        return within(self.timeout_s, f"{self.what} {self.where} ({endpoint_of(self.where)}{', ' if doing else ''}"
+                                      f"{doing})", call)
 
     @property
     def remote(self) -> bool:
@@ -76,7 +196,9 @@ class Folder:
         """Create the folder, write and delete a probe: a SpecError naming the folder and the fix if not."""
         self._check_endpoint()
         try:
-            probe_write(self.fs, self.root)
+            self._call(lambda: probe_write(self.fs, self.root), "writing a probe")
+        except StorageTimeout:
+            raise
         except Exception as exc:
             hint = ("check the endpoint (AWS_ENDPOINT_URL), the credentials and that the bucket exists and is "
                     "writable" if self.remote else "give a folder you can write")
@@ -104,10 +226,13 @@ class Folder:
         import pyarrow.fs as pafs
 
         path = self._path(rel)
-        if self.fs.get_file_info(path).type != pafs.FileType.File:
-            return None
-        with self.fs.open_input_stream(path) as f:
-            return f.read()
+
+        def read() -> bytes | None:
+            if self.fs.get_file_info(path).type != pafs.FileType.File:
+                return None
+            with self.fs.open_input_stream(path) as f:
+                return f.read()
+        return self._call(read, f"reading {rel}")
 
     def read_json(self, rel: str) -> Any:
         """A JSON file's value; None when it is missing or not JSON (a half-written file from a crash)."""
@@ -121,11 +246,14 @@ class Folder:
         """Write a whole file. Locally via a temporary file and a rename (readers never see half of it); an
         object store shows an object only once it is complete."""
         path = self._path(rel)
-        self.fs.create_dir(posixpath.dirname(path), recursive=True)
         if self.remote:
-            with self.fs.open_output_stream(path) as f:
-                f.write(data)
+            def put() -> None:
+                self.fs.create_dir(posixpath.dirname(path), recursive=True)
+                with self.fs.open_output_stream(path) as f:
+                    f.write(data)
+            self._call(put, f"writing {rel}")
             return
+        os.makedirs(posixpath.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
         with open(tmp, "wb") as f:
             f.write(data)
@@ -137,7 +265,8 @@ class Folder:
     def exists(self, rel: str) -> bool:
         import pyarrow.fs as pafs
 
-        return self.fs.get_file_info(self._path(rel)).type != pafs.FileType.NotFound
+        return self._call(lambda: self.fs.get_file_info(self._path(rel)).type != pafs.FileType.NotFound,
+                          f"looking for {rel}")
 
     def files(self, rel: str = "") -> list[str]:
         """Every file under `rel`, as paths relative to this folder, sorted."""
@@ -145,27 +274,41 @@ class Folder:
 
         base = self._path(rel)
         selector = pafs.FileSelector(base, recursive=True, allow_not_found=True)
-        found = [e.path for e in self.fs.get_file_info(selector) if e.type == pafs.FileType.File]
-        return sorted(posixpath.relpath(p, self.root) for p in found)
+        found = self._call(lambda: self.fs.get_file_info(selector), f"listing {rel or 'it'}")
+        return sorted(posixpath.relpath(e.path, self.root) for e in found if e.type == pafs.FileType.File)
 
-    def upload(self, local_dir: Path, skip: tuple[str, ...] = ()) -> list[str]:
+    def upload(self, local_dir: Path, skip: tuple[str, ...] = (), last: tuple[str, ...] = ()) -> list[str]:
         """Copy every file under local_dir into this folder at the same relative paths (names in `skip`, at
-        any depth, stay behind). Returns the relative paths copied."""
-        copied = []
+        any depth, stay behind; those in `last`, at the top, go after all others: a reader who sees a new
+        result.json finds everything it names). Every open and chunk is under the deadline, so a stalled
+        store fails the upload rather than hanging it. Returns the relative paths copied."""
+        found = []
         for dirpath, dirnames, filenames in os.walk(local_dir):
             dirnames[:] = sorted(d for d in dirnames if d not in skip)
-            for name in sorted(filenames):
-                if name in skip:
-                    continue
-                src = Path(dirpath) / name
-                rel = src.relative_to(local_dir).as_posix()
-                target = self._path(rel)
-                self.fs.create_dir(posixpath.dirname(target), recursive=True)
-                with open(src, "rb") as f, self.fs.open_output_stream(target) as out:
-                    while chunk := f.read(CHUNK):
-                        out.write(chunk)
-                copied.append(rel)
-        return copied
+            found += [(Path(dirpath) / name).relative_to(local_dir).as_posix()
+                      for name in sorted(filenames) if name not in skip]
+        ordered = [rel for rel in found if rel not in last] + [rel for rel in found if rel in last]
+        for rel in ordered:
+            self._upload_file(local_dir / rel, rel)
+        return ordered
+
+    def _upload_file(self, src: Path, rel: str) -> None:
+        target = self._path(rel)
+        doing = f"uploading {rel}"
+
+        def open_target():
+            self.fs.create_dir(posixpath.dirname(target), recursive=True)
+            return self.fs.open_output_stream(target)
+        out = self._call(open_target, doing)
+        try:
+            with open(src, "rb") as f:
+                while chunk := f.read(CHUNK):
+                    self._call(lambda: out.write(chunk), doing)
+            self._call(out.close, doing)  # the object appears only now, whole
+        except BaseException:
+            # Never closed: closing would publish the part written so far as the whole object.
+            _ABANDONED.append(out)
+            raise
 
     def move(self, rel: str, to_rel: str) -> None:
         """Move a file or a whole folder (object stores move files only: a folder is copied file by file,
@@ -173,17 +316,24 @@ class Folder:
         import pyarrow.fs as pafs
 
         source, target = self._path(rel), self._path(to_rel)
-        info = self.fs.get_file_info(source)
+        info = self._call(lambda: self.fs.get_file_info(source), f"looking for {rel}")
         if info.type == pafs.FileType.NotFound:
             return
         if info.type == pafs.FileType.File or not self.remote:
-            self.fs.create_dir(posixpath.dirname(target), recursive=True)
-            self.fs.move(source, target)
+            def move_one() -> None:
+                self.fs.create_dir(posixpath.dirname(target), recursive=True)
+                self.fs.move(source, target)
+            self._call(move_one, f"moving {rel}")
             return
         for inner in self.files(rel):
-            self.fs.create_dir(posixpath.dirname(self._path(to_rel + inner[len(rel):])), recursive=True)
-            self.fs.copy_file(self._path(inner), self._path(to_rel + inner[len(rel):]))
-        self.fs.delete_dir(source)
+            def copy_one(inner=inner) -> None:
+                self.fs.create_dir(posixpath.dirname(self._path(to_rel + inner[len(rel):])), recursive=True)
+                self.fs.copy_file(self._path(inner), self._path(to_rel + inner[len(rel):]))
+            self._call(copy_one, f"moving {inner}")
+        self._call(lambda: self.fs.delete_dir(source), f"moving {rel}")
+
+
+_ABANDONED: list = []  # streams of abandoned uploads, kept referenced so that no destructor completes them
 
 
 def _first_line(exc: BaseException) -> str:

@@ -38,7 +38,7 @@ from raytf.driver.report import ProgressDisplay
 from raytf.errors import PlacementTimeout, SpecError
 from raytf.job import Job
 from raytf.spec import JobSpec
-from raytf.storage import Folder, is_uri, staging_dir
+from raytf.storage import Folder, is_uri, new_staging
 from raytf.sweep_report import SweepResult
 
 EXPERIMENT = "tune"  # Tune's experiment folder inside the sweep's output.dir
@@ -126,12 +126,12 @@ class PreparedSweep:
     def num_trials(self) -> int:
         return self.section.num_samples if self.suggests else len(self.points)
 
-    @property
+    @functools.cached_property
     def output_dir(self) -> Path:
-        """Where this process writes the sweep's files: output.dir, or for a URI a staging folder of its own
-        (not the one a run of the base job into the same URI would use)."""
+        """Where this process writes the sweep's files: output.dir, or for a URI a fresh private staging folder
+        of its own (raytf.storage.new_staging), made when first asked for."""
         if self.remote:
-            return staging_dir(self.output_where, f"{self.base.spec.name}-sweep")
+            return new_staging(f"{self.base.spec.name}-sweep")[0]
         return self.base.output_dir
 
     @property
@@ -327,9 +327,9 @@ def _run_trial(config: dict[str, Any], jobs: dict[str, Job], code_env: dict[str,
 
     resume = storage is not None and storage.latest() is not None
     # A trial's output.dir on object storage: staged on this node, shipped up when the trial's job ends.
-    staged = output.claim(job, resume) if is_uri(job.output_where) else contextlib.nullcontext()
+    staged = output.claim(job, resume) if is_uri(job.output_where) else contextlib.nullcontext(job)
     try:
-        with staged:
+        with staged as job:
             controller.run(job, on_epoch=report, placement_group=ray.util.get_current_placement_group(),
                            code_env=code_env, resume=resume, tracking_parent=tracking_parent, keep_processes=reuse)
         for metrics in held:
@@ -441,15 +441,28 @@ def _progress_callback(quiet: bool, descriptions: dict[str, str], metric: str, e
 def run(prepared: PreparedSweep, display: ProgressDisplay | None = None, resume: bool = False,
         verbose: bool = False) -> SweepResult:
     """Run (or, with `resume`, continue) the sweep on the Ray this process is connected to."""
+    display = display or ProgressDisplay(quiet=True)
+    storage = Folder(prepared.output_where, "output.dir")
+    held = None
+    if prepared.remote:  # one live sweep per output.dir across machines (its trials live under it)
+        from raytf.driver.lease import Lease
+
+        storage.check_writable()
+        held = Lease.acquire(storage, f"{prepared.base.spec.name}-sweep")
+    try:
+        return _run_held(prepared, display, resume, verbose, storage)
+    finally:
+        if held is not None:
+            held.release()
+
+
+def _run_held(prepared: PreparedSweep, display: ProgressDisplay, resume: bool, verbose: bool,
+              storage: Folder) -> SweepResult:
     import ray
     from ray import tune
 
-    display = display or ProgressDisplay(quiet=True)
     out, where = prepared.output_dir, prepared.output_where
     experiment = prepared.experiment
-    storage = Folder(where, "output.dir")
-    if prepared.remote:
-        storage.check_writable()
     restoring = _check_state(prepared, resume, experiment, display)
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
     limit = concurrency(prepared, nodes)
@@ -530,6 +543,8 @@ def run(prepared: PreparedSweep, display: ProgressDisplay | None = None, resume:
             from raytf.driver.output import ship
 
             ship(out, storage, failing=not finished)
+            if not any(out.iterdir()):
+                out.rmdir()
 
 
 def _unpack_everywhere(code_env: dict[str, Any], display: ProgressDisplay, timeout_s: float = 120.0) -> None:

@@ -2,6 +2,7 @@
 aliases that expand into a huge document. Each refusal is a SpecError naming the line. No TensorFlow."""
 from __future__ import annotations
 
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,8 @@ MAX_VALUES = 100_000  # values in the document with every alias expanded; a job 
 def read(path: Path) -> Any:
     """The document in `path`; SpecError for an unreadable, non-UTF-8 or invalid file."""
     try:
+        if not stat.S_ISREG(path.stat().st_mode):  # a FIFO or a device would block the read forever
+            raise SpecError(f"{path}: not a regular file; pass the path of a job YAML file, e.g. jobs/digits.yaml")
         data = path.read_bytes()
     except FileNotFoundError:
         raise SpecError(f"{path}: no such job file; pass the path of a job YAML, e.g. jobs/digits.yaml") from None

@@ -79,3 +79,79 @@ def start() -> S3:
         os.environ.update(env)
         _s3 = S3(endpoint=env["AWS_ENDPOINT_URL"], env=env)
     return _s3
+
+
+class FaultProxy:
+    """A TCP proxy in front of the S3 server that misbehaves on request: `hold` (accept, never answer), `drop`
+    (close the connection) or `slow` (a delay per forwarded chunk), for every request or only for those whose
+    request line (`PUT /bucket/key HTTP/1.1`) matches `match`. Clients reach it as their endpoint; `held` counts
+    the requests it is holding. Stopped by `close()`; its threads are daemons."""
+
+    def __init__(self, upstream: str):
+        import socket
+        import threading
+        import urllib.parse
+
+        url = urllib.parse.urlsplit(upstream)
+        self.upstream = (url.hostname, url.port)
+        self.mode, self.match, self.delay_s = "pass", None, 0.0
+        self.held = 0
+        self._sockets: list = []
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._closed = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def fault(self, mode: str, match: str | None = None, delay_s: float = 0.0) -> "FaultProxy":
+        self.mode, self.match, self.delay_s, self.held = mode, match, delay_s, 0
+        return self
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while not self._closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.upstream)
+            self._sockets += [client, server]
+            threading.Thread(target=self._pipe, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, False), daemon=True).start()
+
+    def _pipe(self, source, target, requests: bool) -> None:
+        import re
+        import time
+
+        try:
+            while data := source.recv(65536):
+                if requests and self.mode != "pass":
+                    lines = re.findall(rb"^[A-Z]+ \S+ HTTP/1\.[01]", data, re.M)
+                    hit = any(self.match is None or re.search(self.match, line.decode()) for line in lines)
+                    if hit and self.mode == "hold":
+                        self.held += 1
+                        self._closed.wait()  # never answered
+                        return
+                    if hit and self.mode == "drop":
+                        source.close()
+                        target.close()
+                        return
+                    if self.mode == "slow":
+                        time.sleep(self.delay_s)
+                target.sendall(data)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self._closed.set()
+        for s in [self._listener, *self._sockets]:
+            try:
+                s.close()
+            except OSError:
+                pass
+
+
+def proxy() -> FaultProxy:
+    """A fault-injecting proxy in front of the process's S3 server (started if need be)."""
+    return FaultProxy(start().endpoint)

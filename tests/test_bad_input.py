@@ -166,7 +166,7 @@ def test_one_run_at_a_time_per_output_dir_and_an_earlier_runs_results_are_moved_
     assert len(moved) == 1 and (moved[0] / "model.keras").read_bytes() == b"old model"
     assert not (out / "model.keras").exists() and (out / "checkpoints").is_dir(), "checkpoints stay for --resume"
     with output.claim(job) as held:  # free again once the first run ended
-        assert held == out.resolve()
+        assert held.output_dir == out
 
 
 # ---------------------------------------------------------------- the cluster token (raytf submit)

@@ -9,7 +9,8 @@ import socket
 import time
 from typing import Any
 
-LOST = "lost: the driver ended without writing the run's end (killed, or its cluster went away)"
+LOST = ("lost: the driver ended without writing the run's end (killed, its cluster gone, or its storage unreachable "
+        "at the end)")
 
 
 def now() -> str:

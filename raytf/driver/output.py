@@ -9,19 +9,26 @@ No Ray, no TensorFlow: the driver calls `claim(job)` around the whole run.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import fcntl
 import json
 import os
+import shutil
 import socket
 import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from raytf.errors import RaytfError, SpecError, clip
 from raytf.job import Job
-from raytf.storage import Folder, is_uri
+from raytf.driver.lease import LeaseLost
+from raytf.storage import STAGING_MARK, Folder, is_uri, new_staging, own_staging
+
+if TYPE_CHECKING:
+    from raytf.driver.lease import Lease
 
 LOCK = ".raytf-lock"
 EARLIER = "earlier-runs"  # an earlier run's results, moved aside (never deleted): earlier-runs/<when>/
@@ -87,10 +94,42 @@ def _data_paths(job: Job) -> list[tuple[str, Path]]:
 
 
 @contextlib.contextmanager
-def claim(job: Job, resume: bool = False) -> Iterator[Path]:
-    """Hold output.dir for this run: check it, lock it (a second run into it is a SpecError naming the first),
-    and move an earlier run's results aside to earlier-runs/<when>/, unless this run resumes that one (its
-    TensorBoard events go on in the same folder). The lock goes with the process."""
+def claim(job: Job, resume: bool = False, lease: "Lease | None" = None) -> Iterator[Job]:
+    """Hold output.dir for this run and yield the job as it writes its results, whatever ends it.
+
+    A local output.dir is checked, locked (a second run into it is a SpecError naming the first; the lock goes
+    with the process) and an earlier run's results are moved aside to earlier-runs/<when>/, unless this run
+    resumes that one (its TensorBoard events go on in the same folder).
+
+    A URI output.dir (held across machines by `lease`, if given) gets a fresh private staging folder on this
+    machine, recorded in the lease; everything staged is shipped up when the run ends, result.json last."""
+    if not is_uri(job.output_where):
+        with _locked(job) as out:
+            if not resume:
+                move_earlier(Folder(str(out)))
+            yield job
+        return
+    check_checkpoint_dir(job)
+    remote = Folder(job.output_where)
+    staging, token = new_staging(job.spec.name)
+    try:
+        if lease is not None:  # a driver killed from here on leaves a folder the next run here can find
+            lease.note(staging=str(staging), token=token)
+        if not resume:
+            move_earlier(remote)
+        try:
+            yield dataclasses.replace(job, staging=staging)
+        except BaseException:
+            _finish(staging, remote, lease, failing=True)
+            raise
+        _finish(staging, remote, lease)
+    finally:
+        if not any(p.name != STAGING_MARK for p in staging.iterdir()):  # shipped (or nothing written): gone
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _locked(job: Job) -> Iterator[Path]:
     out = check(job)
     check_checkpoint_dir(job)
     handle = open(out / LOCK, "a+")
@@ -102,60 +141,109 @@ def claim(job: Job, resume: bool = False) -> Iterator[Path]:
         handle.close()
         raise SpecError(f"output.dir {out} is in use by another run ({holder}); wait for it to end, or give this "
                         f"run another output.dir (--set output.dir=...)") from None
-    remote = Folder(job.output_where) if is_uri(job.output_where) else None
     try:
         handle.seek(0)
         handle.truncate()
         handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}))
         handle.flush()
-        if remote is not None:
-            if any(entry.name != LOCK for entry in out.iterdir()):
-                ship(out, remote)  # an earlier run's results that never got there: now, or an error keeps them
-            _empty(out)
-        if not resume:
-            move_earlier(remote or Folder(str(out)))
-        try:
-            yield out
-        except BaseException:
-            if remote is not None:
-                ship(out, remote, failing=True)
-            raise
-        if remote is not None:
-            ship(out, remote)
+        yield out
     finally:
         with contextlib.suppress(OSError):
             os.unlink(out / LOCK)
         handle.close()
-        if remote is not None:  # an emptied staging folder goes too (one with unshipped results stays)
-            with contextlib.suppress(OSError):
-                out.rmdir()
+
+
+def _finish(staging: Path, remote: Folder, lease: "Lease | None", failing: bool = False) -> None:
+    """Ship the staged results, unless another driver took the run over meanwhile (then only the lease holder
+    writes result.json: this run's results stay in the staging folder, and the terminal says where)."""
+    if lease is not None and not lease.holds():
+        said = (f"output.dir {remote.where} was taken over by another run ({lease.lost}) while this one went on; "
+                f"its results are kept in {staging}")
+        if failing:
+            print(f"raytf: {said}", file=sys.stderr, flush=True)
+            return
+        raise LeaseLost(said)
+    ship(staging, remote, failing=failing)
+    if lease is not None:
+        lease.note(staging=None, token=None)
 
 
 def ship(staging: Path, remote: Folder, failing: bool = False) -> list[str]:
-    """Copy the staged results up to output.dir, then empty the staging folder. If that fails the files
-    stay where they are and the error says where (a run that already failed keeps its own error)."""
+    """Copy the staged results up to output.dir, result.json last, then empty the staging folder. If that
+    fails or is interrupted (Ctrl-C, SIGTERM: at once), the files stay where they are, the terminal says where,
+    and result.json in output.dir says what happened (never "running"). A run that already failed keeps its
+    own error; an interrupted upload goes on as the interruption."""
     from raytf.driver.packaging import OUTPUT_MARKER
 
     try:
-        copied = remote.upload(staging, skip=(LOCK, OUTPUT_MARKER))
-    except Exception as exc:
-        said = (f"the run's results could not be written to output.dir {remote.where} ({exc}); they are kept in "
-                f"{staging} (the next run into it tries again)")
-        if failing:  # the run's own error comes after this line
-            print(f"raytf: {said}", file=sys.stderr, flush=True)
+        copied = remote.upload(staging, skip=(LOCK, OUTPUT_MARKER, STAGING_MARK), last=("result.json",))
+    except BaseException as exc:
+        interrupted = isinstance(exc, KeyboardInterrupt)
+        why = "interrupted" if interrupted else _first_line(exc)
+        said = (f"the run's results could not all be written to output.dir {remote.where} ({why}); they are kept "
+                f"in {staging} on {socket.gethostname()} (the next run into this output.dir on this machine ships "
+                f"them)")
+        print(f"raytf: {said}", file=sys.stderr, flush=True)
+        _say_unshipped(staging, remote, "interrupted" if interrupted else "failed", said)
+        if interrupted:
+            raise
+        if failing:  # the run's own error comes after the line above
             return []
         raise RaytfError(said) from None
     _empty(staging)
     return copied
 
 
-def _empty(folder: Path) -> None:
-    """Delete everything in `folder` but its lock."""
-    import shutil
+def _say_unshipped(staging: Path, remote: Folder, status: str, said: str, timeout_s: float = 5.0) -> None:
+    """result.json in output.dir says that the results stayed behind (the staged one, or the "running" one
+    written at the start, closed): a store that cannot take even that now is left as it is."""
+    from raytf.driver import attempts
 
+    try:
+        result = json.loads((staging / "result.json").read_text())
+    except (OSError, ValueError):
+        result = None
+    try:
+        quick = copy.copy(remote)  # the same client (a new one would look the bucket up again), a shorter deadline
+        quick.timeout_s = timeout_s
+        result = result if isinstance(result, dict) else quick.read_json("result.json")
+        if not isinstance(result, dict):
+            return
+        if result.get("status") in ("running", "succeeded"):
+            result["status"], result["error"] = status, said
+        tries = [a for a in result.get("attempts") or [] if isinstance(a, dict)]
+        if tries and not tries[-1].get("ended"):
+            attempts.end(tries[-1], status, said)
+        quick.write_json("result.json", result)
+    except BaseException:  # noqa: BLE001 -- a second signal, a dead store: the terminal line said it all
+        pass
+
+
+def ship_leftover(remote: Folder, lease: "Lease") -> str | None:
+    """Results an earlier attempt on this machine staged and never got up (killed, or its store away), found
+    by the lease it left (never by a guessable path): shipped now, then that folder goes. Returns a line to say."""
+    previous = lease.previous
+    if not isinstance(previous, dict) or previous.get("host") != socket.gethostname():
+        return None
+    folder = own_staging(previous.get("staging"), previous.get("token"))
+    if folder is None:
+        return None
+    copied = ship(folder, remote)
+    shutil.rmtree(folder, ignore_errors=True)
+    return (f"raytf: shipped {len(copied)} file(s) an earlier attempt left in {folder} to output.dir {remote.where}"
+            if copied else None)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:300]
+
+
+def _empty(folder: Path) -> None:
+    """Delete everything in `folder` but its lock and its staging mark. rmtree does not follow links."""
     for entry in folder.iterdir():
-        if entry.name == LOCK:
+        if entry.name in (LOCK, STAGING_MARK):
             continue
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry, ignore_errors=True)

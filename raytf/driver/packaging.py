@@ -121,7 +121,7 @@ def excludes_for(job: Job) -> list[str]:
     excludes = list(ALWAYS_EXCLUDED) + SECRETS + ["/" + DEFAULT_OUTPUT_ROOT]
     skip = [DEFAULT_OUTPUT_ROOT]
     try:
-        inside = job.output_dir.relative_to(job.job_dir)
+        inside = None if "://" in job.output_where else Path(job.output_where).relative_to(job.job_dir)
     except ValueError:  # output.dir is outside the job folder
         inside = None
     if inside is not None and inside.parts:

@@ -7,6 +7,7 @@ import ipaddress
 import logging
 import os
 import signal
+import socket
 import tempfile
 import time
 import urllib.parse
@@ -16,6 +17,7 @@ from typing import Iterator
 import ray
 
 from raytf.actor import scratch
+from raytf.errors import RaytfError
 
 AUTH_MODE = "RAY_AUTH_MODE"
 _embedded = False  # whether this process's Ray is one raytf started for the run (it cannot grow)
@@ -78,12 +80,13 @@ def ray_session(address: str | None = None, verbose: bool = False) -> Iterator[s
     term = signal.getsignal(signal.SIGTERM)  # ray.init puts its own (sys.exit) over the caller's
     try:
         if address:
-            ray.init(address=address, **options)
+            check_reachable(address)
+            _init(address, dict(address=address, **options))
             hint = "on each node under its Ray session folder (/tmp/ray/session_latest/logs), or `ray logs`"
         else:
             # "local": a fresh Ray of our own. A bare ray.init() would join whatever cluster was started
             # last on this machine (/tmp/ray/ray_current_cluster) -- someone else's, or a test's.
-            ray.init(address="local", include_dashboard=False, **options)
+            _init(None, dict(address="local", include_dashboard=False, **options))
             _set_embedded(True)
             hint = _local_logs()
         _keep_handler(signal.SIGTERM, term)
@@ -92,10 +95,40 @@ def ray_session(address: str | None = None, verbose: bool = False) -> Iterator[s
     finally:
         _set_embedded(False)
         ray.shutdown()
+        # Ray's native shutdown leaves SIGTERM at its default behind Python's back (the process then dies
+        # without a word, even in the middle of shipping results): the caller's handler goes back in.
+        _keep_handler(signal.SIGTERM, term)
         if not address:  # its tasks are gone with it: what the killed ones left on this disk goes too
             scratch.sweep(tempfile.gettempdir(), grace_s=SHUTDOWN_GRACE_S, since=started)
         if mode is not None:
             set_auth_mode(None)
+
+
+def _init(address: str | None, options: dict) -> None:
+    """ray.init, its failure one line (Ray's own is a long traceback from deep inside it)."""
+    try:
+        ray.init(**options)
+    except Exception as exc:  # noqa: BLE001 -- whatever Ray raises, the user needs the first line and the place
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        where = f"the Ray cluster at {address}" if address else "an embedded local Ray"
+        raise RaytfError(f"could not connect to {where} ({first}); -v shows Ray's own output") from None
+
+
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """An explicit HOST:PORT (or ray://HOST:PORT) that nothing answers is said at once: Ray's client would
+    wait for it far longer. "auto" and names Ray resolves itself are left to Ray."""
+    parsed = urllib.parse.urlsplit(address if "://" in address else f"//{address}")
+    try:
+        host, port = parsed.hostname, parsed.port
+    except ValueError:
+        raise RaytfError(f"--address {address}: not HOST:PORT; give e.g. 127.0.0.1:6379 or auto") from None
+    if not host or port is None:
+        return
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as exc:
+        raise RaytfError(f"no Ray cluster answers at {address} ({exc.strerror or exc}); start one (ray start "
+                         f"--head) or leave --address out for an embedded local Ray") from None
 
 
 def keep_token_private() -> None:
