@@ -17,7 +17,7 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from raytf.errors import RaytfError, SpecError, clip
-from raytf.storage import open_fs, probe_write
+from raytf.storage import TIMEOUT_S, endpoint_of, open_fs, probe_write, within
 
 META = "raytf.json"
 PREFIX = "ckpt-"
@@ -59,12 +59,21 @@ def resume_note(checkpoint_dir: str | None, resume: "bool | str" = True) -> str 
 class Storage:
     """One checkpoint directory, addressed by a local path or a URI."""
 
-    def __init__(self, location: str):
-        self.location = location
+    def __init__(self, location: str, timeout_s: float = TIMEOUT_S):
+        self.location, self.timeout_s = location, timeout_s
         try:
-            self.fs, self.root = open_fs(location)
+            self.fs, self.root = self._within(lambda: open_fs(location), "opening it")
+        except RaytfError:
+            raise
         except Exception as exc:  # an unknown scheme, missing credentials, bad bucket name
             raise SpecError(f"checkpoint.dir: pyarrow cannot open {location!r} ({exc})") from None
+
+    def _within(self, call, doing: str):
+        """A call to a remote store under raytf.storage's deadline: a silent endpoint is an error, not a hang."""
+        if "://" not in self.location:
+            return call()
+        return within(self.timeout_s, f"checkpoint.dir {self.location} ({endpoint_of(self.location)}, {doing})",
+                      call)
 
     def _full(self, name: str) -> str:
         return posixpath.join(self.root, name)
@@ -79,14 +88,20 @@ class Storage:
     def check_writable(self) -> None:
         """Create the directory and write and delete a probe file; SpecError naming the cause if not."""
         try:
-            probe_write(self.fs, self.root)
+            self._within(lambda: probe_write(self.fs, self.root), "writing a probe")
+        except RaytfError:
+            raise
         except Exception as exc:
             raise SpecError(f"checkpoint.dir: cannot write to {self.location!r} ({exc}); "
                             f"choose a writable directory or URI") from None
 
     def list(self) -> list[CheckpointInfo]:
         """Complete checkpoints, oldest first. A folder that does not exist holds none; a store that fails to
-        list (down, throttling, refusing) is a RaytfError: read as "none", a restart would begin at step 0."""
+        list (down, throttling, refusing, silent past the deadline) is a RaytfError: read as "none", a restart
+        would begin at step 0."""
+        return self._within(self._list, "listing its checkpoints")
+
+    def _list(self) -> list[CheckpointInfo]:
         try:
             entries = self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True))
         except Exception as exc:

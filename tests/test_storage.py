@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -219,9 +220,9 @@ PACED_MODEL = textwrap.dedent('''
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
 def test_a_run_killed_after_two_checkpoints_resumes_from_the_bucket_on_a_new_cluster_and_then_trains_nothing(
-        s3, job_dir):
+        s3, job_dir, tmp_path):
     """`raytf run --resume auto` with output.dir in a bucket, killed (SIGKILL to it and its embedded Ray) after
-    its second checkpoint; the same command again (a brand-new Ray) continues from the bucket and every epoch
+    its second checkpoint (a second driver on the same run is refused meanwhile); the same command again (a brand-new Ray) continues from the bucket and every epoch
     is trained once; a third start trains nothing. Everything is in the bucket, nothing in the job folder."""
     (job_dir / "paced.py").write_text(PACED_MODEL)
     out = f"s3://{s3.bucket()}/runs/m"
@@ -237,6 +238,17 @@ def test_a_run_killed_after_two_checkpoints_resumes_from_the_bucket_on_a_new_clu
         while len([f for f in s3.files(f"{out}/checkpoints") if f.endswith("/raytf.json")]) < 2:
             assert first.poll() is None and time.time() < deadline, first.stdout.read()[-3000:]
             time.sleep(0.1)
+        # A second driver on the same run, as from another machine (its own temp folder): refused in one line
+        # before it reads the job's code, and it writes nothing (result.json below is still the first's).
+        other_tmp = tmp_path / "other-machine-tmp"
+        other_tmp.mkdir()
+        refused = subprocess.run(command, cwd=job_dir, capture_output=True, text=True, timeout=60,
+                                 env={**os.environ, "TMPDIR": str(other_tmp)})
+        assert refused.returncode == 2, refused.stderr
+        assert refused.stderr.strip().splitlines() == [
+            f"raytf: error: output.dir {out} is in use by another run (pid {first.pid} on {socket.gethostname()}, "
+            + refused.stderr.split(f"pid {first.pid} on {socket.gethostname()}, ", 1)[1].strip()]
+        assert "lease renewed until" in refused.stderr and list(other_tmp.iterdir()) == []
     finally:
         os.killpg(first.pid, signal.SIGKILL)  # the driver and its embedded Ray: the cluster is gone
         first.wait(30)

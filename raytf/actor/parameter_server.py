@@ -42,6 +42,7 @@ from raytf.actor.context import TaskContext
 from raytf.protocol import Outcome, WorkerPayload
 from raytf.actor.examples import Examples
 from raytf.checkpoint import CheckpointInfo, Storage
+from raytf.errors import RaytfError
 
 WEIGHTS_FILE = "weights.npz"  # every checkpoint's full weights, for the evaluator
 
@@ -398,7 +399,10 @@ def run_evaluator(payload: WorkerPayload, ctx: TaskContext) -> Outcome:
     last_step = payload.resume_from.step if payload.resume_from else -1
     ctx.channel.phase("waiting for a checkpoint")
     while last_step < final_step:
-        latest = storage.latest()
+        try:
+            latest = storage.latest()
+        except RaytfError:  # the store briefly away: evaluation waits for it, as for a checkpoint
+            latest = None
         if latest is None or latest.step <= last_step:
             time.sleep(EVALUATOR_POLL_S)
             ctx.channel.phase("waiting for a checkpoint")
