@@ -111,7 +111,7 @@ def test_two_drivers_on_one_bucket_the_second_is_refused_and_only_the_holder_wri
         third.release()
 
 
-def test_a_silent_endpoint_is_an_error_within_the_deadline_not_a_hang(s3):
+def test_a_silent_endpoint_is_an_error_within_the_deadline_not_a_hang(s3, job_dir):
     from tests.s3_server import FaultProxy
 
     proxy = FaultProxy(s3.endpoint).fault("hold")
@@ -125,6 +125,14 @@ def test_a_silent_endpoint_is_an_error_within_the_deadline_not_a_hang(s3):
         lines = shown_run.stderr.strip().splitlines()
         assert len(lines) == 1 and f"({proxy.endpoint}, " in lines[0] and "did not answer within 2 s" in lines[0]
         assert took < 15 and proxy.held >= 1
+        write_job(job_dir, base_spec())
+        started = time.monotonic()
+        run = raytf_cli("run", "job.yaml", "--set", f"output.dir=s3://{bucket}/runs/m", cwd=job_dir, env=env,
+                        timeout=30)
+        assert run.returncode == 1 and time.monotonic() - started < 15, run.stderr
+        assert run.stderr.strip().splitlines() == [line for line in run.stderr.strip().splitlines()
+                                                   if line.startswith("raytf: error: output.dir")]
+        assert "did not answer within 2 s" in run.stderr
     finally:
         proxy.close()
 
