@@ -179,8 +179,9 @@ def tune_command(sweep_file: str, address: str | None, settings: tuple[str, ...]
                  verbose: bool) -> None:
     """Sweep SWEEP_FILE (a job spec plus a tune: section) with Ray Tune; every trial is a distributed job.
 
-    Exit codes as for `run`; 1 also when no trial completed, 130 when interrupted (--resume continues)."""
-    from raytf import tune
+    Exit codes as for `run`; 1 also when no trial completed or any trial failed (one line each; Tune's own
+    traceback with -v), 130 when interrupted (--resume continues)."""
+    from raytf import sweep_report, tune
     from raytf.driver.report import ProgressDisplay
     from raytf.job import parse_set_options
 
@@ -199,6 +200,12 @@ def tune_command(sweep_file: str, address: str | None, settings: tuple[str, ...]
     if result.best is None:
         click.echo("raytf: error: no trial completed; see the error column above and each trial's result.json",
                    err=True)
+        sys.exit(1)
+    failed = [row for row in result.rows if row["status"] == sweep_report.ERROR]
+    for row in failed:  # a half-failed sweep is not a good one: a CI job must be able to tell
+        click.echo(f"raytf: error: trial {row['point']} failed: {row.get('error') or 'see its result.json'}",
+                   err=True)
+    if failed:
         sys.exit(1)
 
 

@@ -189,6 +189,11 @@ def prepare(source: "str | Path | Mapping[str, Any]", overrides: Mapping[str, An
         raise SpecError(f"{name}: tune.scheduler {section.scheduler.name} starts trials again from the checkpoint "
                         f"raytf's loop writes at each epoch's end, which a train_fn's own loop does not; use "
                         f"scheduler asha (it only stops trials), or raytf's loop")
+    if (section.scheduler is not None and base_spec.train_fn is not None and not section.scheduler.max_t
+            and "epochs" not in base_spec.train.model_fields_set):
+        raise SpecError(f"{name}: tune.scheduler {section.scheduler.name} with a train_fn: the scheduler needs to "
+                        f"know the last epoch, which your train_fn counts itself; set train.epochs to the epochs it "
+                        f"runs (or tune.scheduler.max_t), e.g. train.epochs: 3")
     jobs: dict[str, Job] = {}
 
     def check(pid: str, point_overrides: dict[str, Any]) -> JobSpec:
@@ -274,7 +279,9 @@ def _run_trial(config: dict[str, Any], jobs: dict[str, Job], code_env: dict[str,
     trial's by pbt) resumes from it, and the epochs it already holds are not reported again.
 
     The last epoch is reported only once the model is written: a scheduler stops a trial when it reaches
-    max_t, and a stop ends the trial in that report (Tune's SystemExit), taking its raytf actors with it.
+    max_t, and a stop ends the trial in that report (Tune's SystemExit), taking its raytf actors with it. A
+    train_fn counts its own epochs (train.epochs may not say how many): each of its epochs is reported when the
+    next one comes, the last once the job ended, so Tune hears them in order.
 
     With `reuse` (tune.reuse_processes, and no scheduler: see reuses_processes), Tune runs the next trial that
     asks for the same resources in this actor, on the same placement group, and a succeeded job's raytf actors
@@ -305,11 +312,17 @@ def _run_trial(config: dict[str, Any], jobs: dict[str, Job], code_env: dict[str,
     elif pauses and storage is not None:  # a first start: what a crashed earlier run left is not this trial's
         trial_checkpoint.clear(storage)
     held: list[dict[str, Any]] = []
+    own_count = job.spec.train_fn is not None  # a train_fn counts its own epochs: which is last is unknown
 
     def report(metrics: dict[str, Any]) -> None:
         numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         epoch = numbers.get("epoch")
         if epoch is not None and epoch <= done_epochs:  # reported before Tune stopped this trial
+            return
+        if own_count:  # each epoch told when the next one comes, the last once the job ended: in order
+            held.append(numbers)
+            while len(held) > 1:
+                tune.report(held.pop(0))
             return
         if epoch == last_epoch:
             held.append(numbers)
@@ -350,11 +363,20 @@ def _add_restore(job: Job, entry: dict[str, Any]) -> None:
     folder.write_json(RESTORES, [*(folder.read_json(RESTORES) or []), entry])
 
 
-def reuses_processes(section: sweep.TuneSection) -> bool:
+def reuses_processes(section: sweep.TuneSection, base: JobSpec | None = None) -> bool:
     """Whether trials run in the processes of the trials before them (raytf.actor.reuse). Not under a
     scheduler: Tune keeps the actor of a trial it stopped or paused for the next trial without ending the
-    trial's function, whose workers would train on, unwatched, until that next trial comes."""
-    return section.reuse_processes and section.scheduler is None
+    trial's function, whose workers would train on, unwatched, until that next trial comes. Not for a
+    train_fn (see NO_REUSE_FOR_TRAIN_FN)."""
+    return section.reuse_processes and section.scheduler is None and (base is None or base.train_fn is None)
+
+
+# Only raytf's own loop runs the same collectives on every rank. A train_fn's code need not (tf-keras's
+# model.save reads a sync-on-read metric through an all-reduce): in a reused group whose ranks' collective
+# state differs, the next trial's save blocked on the chief while rank 1 had returned (2 of 2 sweeps).
+NO_REUSE_FOR_TRAIN_FN = ("raytf: each trial starts new processes: a train_fn's own collectives (tf-keras's model.save "
+                         "among them) can leave its ranks out of step, and a reused group then hangs "
+                         "(tune.reuse_processes applies to raytf's own loop)")
 
 
 def point_of(trial, section: sweep.TuneSection) -> str:
@@ -489,19 +511,26 @@ def _run_held(prepared: PreparedSweep, display: ProgressDisplay, resume: bool, v
     else:
         resources = lambda config: _suggested_resources(suggested, config)  # noqa: E731
     pauses = _pauses(section)
+    reuse = reuses_processes(section, prepared.base.spec)
+    if section.reuse_processes and section.scheduler is None and not reuse:
+        display.message(NO_REUSE_FOR_TRAIN_FN)
     parent = tracking.open_sweep_run(prepared, display.message)  # None without tracking.mlflow
     finished, ended = False, "failed"
     try:  # from the parent run's opening on: whatever ends the sweep closes it
         trainable = tune.with_resources(tune.with_parameters(
             _run_trial, jobs=prepared.jobs, code_env=code_env, suggested=suggested, pauses=pauses,
-            tracking_parent=parent.run_id if parent else None, reuse=reuses_processes(section)), resources=resources)
+            tracking_parent=parent.run_id if parent else None, reuse=reuse), resources=resources)
         started = time.time()
         if restoring:
             display.message(f"raytf: resuming the sweep in {experiment}")
             tuner = tune.Tuner.restore(experiment, trainable=trainable, resume_unfinished=True)
         else:
             descriptions = {p.id: p.describe() for p in prepared.points}
-            epochs = {pid: j.spec.train.epochs for pid, j in prepared.jobs.items()} or {"*": prepared.max_t}
+            # a train_fn's own epoch count is its own ("?" unless train.epochs says it)
+            own_count = (prepared.base.spec.train_fn is not None
+                         and "epochs" not in prepared.base.spec.train.model_fields_set)
+            epochs = {pid: "?" if own_count else j.spec.train.epochs
+                      for pid, j in prepared.jobs.items()} or {"*": prepared.max_t}
             trial_name = functools.partial(_trial_name, section=section)
             if suggested is None:  # Tune runs the points drawn up front, one trial each
                 param_space, num_samples = {"point": tune.grid_search([p.id for p in prepared.points])}, 1
@@ -516,7 +545,7 @@ def _run_held(prepared: PreparedSweep, display: ProgressDisplay, resume: bool, v
                                             max_concurrent_trials=None if search.creates_every_trial_at_once(section)
                                             else limit,
                                             trial_name_creator=trial_name,
-                                            reuse_actors=reuses_processes(section),
+                                            reuse_actors=reuse,
                                             trial_dirname_creator=trial_name),
                 run_config=tune.RunConfig(name=EXPERIMENT, storage_path=where, verbose=0,
                                           # a paused or exploited trial starts from its last report's checkpoint
@@ -526,7 +555,7 @@ def _run_held(prepared: PreparedSweep, display: ProgressDisplay, resume: bool, v
                                           callbacks=[_progress_callback(display.quiet, descriptions, section.metric,
                                                                         epochs, section, suggested)]),
             )
-        with _quiet_tune_console():
+        with _quiet_tune_console(verbose):
             tuner.fit()
         wall = time.time() - started
         result = _collect(prepared, experiment, limit, started, wall, float(ray.cluster_resources().get("CPU", 0)),
@@ -573,19 +602,25 @@ class _NoRepeats(logging.Filter):
     """A point that cannot run is one line of raytf's, not Tune's 40-line traceback; and the trials that did
     not complete are in raytf's table, not in one more ERROR line of Tune's."""
 
+    def __init__(self, verbose: bool = False):
+        super().__init__()
+        self.verbose = verbose
+
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
         text = f"{record.getMessage()} {exc!r}"
+        if text.startswith("Trial task failed"):  # a failed trial: raytf's one line per trial, Tune's with -v
+            return self.verbose
         return "UnrunnablePoint" not in text and not text.startswith("Trials did not complete")
 
 
 @contextlib.contextmanager
-def _quiet_tune_console():
+def _quiet_tune_console(verbose: bool = False):
     """Tune's console tables give way to raytf's one line per trial event: with RAY_AIR_NEW_OUTPUT=0 and
     verbose=0 Tune prints nothing (its new output still prints a banner at verbose=0)."""
     before = os.environ.get("RAY_AIR_NEW_OUTPUT")
     os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
-    loggers, no_repeats = [logging.getLogger("ray.tune.execution.tune_controller"), logging.getLogger("ray.tune.tune")], _NoRepeats()
+    loggers, no_repeats = [logging.getLogger("ray.tune.execution.tune_controller"), logging.getLogger("ray.tune.tune")], _NoRepeats(verbose)
     for log in loggers:
         log.addFilter(no_repeats)
     try:
@@ -659,6 +694,16 @@ def _trial_point(prepared: PreparedSweep, suggested: Suggested | None, trial) ->
     return dataclasses.replace(point, learning_rate=learning_rate.peak(job.spec)), job, None
 
 
+def _planned_epochs(spec: JobSpec | None, epochs: int, saved: dict[str, Any]) -> int:
+    """The epochs a trial was to run: train.epochs for raytf's loop; a train_fn counts its own, and its job
+    succeeding is what says it ran them all."""
+    if spec is None:
+        return epochs
+    if spec.train_fn is None:
+        return spec.train.epochs
+    return epochs if saved.get("status") == "succeeded" else epochs + 1
+
+
 def _collect(prepared: PreparedSweep, experiment: str, limit: int, started: float, wall: float,
              cluster_cpus: float, suggested: Suggested | None = None) -> SweepResult:
     """Rows from Tune's stored trials and raytf's result.json files; then every output of the sweep."""
@@ -679,7 +724,7 @@ def _collect(prepared: PreparedSweep, experiment: str, limit: int, started: floa
         rows.append({
             "point": point.id, "trial_id": trial.trial_id,
             "status": sweep_report.UNRUNNABLE if unrunnable else
-            sweep_report.trial_status(trial.status, epochs, spec.train.epochs),
+            sweep_report.trial_status(trial.status, epochs, _planned_epochs(spec, epochs, saved)),
             "config": point.values,
             "global_batch_size": point.values.get("train.global_batch_size",
                                                   prepared.base.spec.train.global_batch_size) if spec is None

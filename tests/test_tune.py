@@ -277,6 +277,11 @@ def test_pbt_refuses_a_choice_it_would_explore_into_that_cannot_run_and_a_train_
     with pytest.raises(SpecError, match="tune.scheduler hyperband starts trials again from the checkpoint raytf's "
                                         "loop writes at each epoch's end, which a train_fn's own loop does not"):
         tuner.prepare(write_job(job_dir, spec, "sweep.yaml"))
+    spec["tune"]["scheduler"] = {"name": "asha"}
+    spec["train"] = {"global_batch_size": 64}  # no train.epochs: the train_fn counts its own
+    with pytest.raises(SpecError, match="tune.scheduler asha with a train_fn: the scheduler needs to know the last "
+                                        "epoch, which your train_fn counts itself; set train.epochs"):
+        tuner.prepare(write_job(job_dir, spec, "sweep.yaml"))
 
 
 @pytest.mark.timeout(30)
@@ -312,6 +317,9 @@ def test_trials_reuse_processes_by_default_but_not_under_a_scheduler_that_stops_
     assert not reuses_processes(sweep.TuneSection(**base, reuse_processes=False))
     for scheduler in ({"name": "asha"}, {"name": "hyperband"}):
         assert not reuses_processes(sweep.TuneSection(**base, scheduler=scheduler))
+    own = parse({**base_spec(train_fn="own:train"), "model": None})
+    assert not reuses_processes(sweep.TuneSection(**base), own)  # a train_fn's collectives are its own
+    assert reuses_processes(sweep.TuneSection(**base), parse(base_spec()))
 
 
 @pytest.mark.timeout(10)
@@ -641,3 +649,68 @@ def test_an_optuna_search_with_unrunnable_points_stops_and_resumes_the_same_sear
     assert {"sweep.json", "sweep.png", "best.yaml", "points.json", "trials/t01/result.json"} <= set(s3.files(out))
     assert not (job_dir / "runs").exists()
     assert_nothing_left()
+
+
+LEGACY_TRAIN_FN = '''
+import tensorflow as tf
+
+EPOCHS = 3  # the script's own epoch count: train.epochs is left unset
+
+
+def build_model():
+    return tf.keras.Sequential([tf.keras.Input(shape=(64,)), tf.keras.layers.Dense(32, activation="relu"),
+                                tf.keras.layers.Dense(10)])
+
+
+def train(ctx):
+    rate = ctx.spec.optimizer.learning_rate
+    if rate > 0.1:
+        raise ValueError(f"learning rate {rate} is too high for this script")
+    with ctx.strategy.scope():
+        model = ctx.build_model()
+        model.compile(optimizer=tf.keras.optimizers.Adam(rate),
+                      loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    model.fit(ctx.distributed_dataset("train"), epochs=EPOCHS, steps_per_epoch=ctx.steps_per_epoch, verbose=0,
+              callbacks=[tf.keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: ctx.report(logs))])
+    ctx.save_model(model)  # on every worker, as tf-keras needs
+'''
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(400)
+def test_a_sweep_of_a_tf_keras_train_fn_saves_every_trial_hears_its_epochs_in_order_and_fails_for_a_failed_trial(
+        job_dir):
+    """Three trials of a tf.keras train_fn that counts its own 3 epochs and saves on every worker (tf-keras's
+    save is a collective): its processes are not reused (a reused group hung in that save), both good trials are
+    exported, Tune hears epochs 1, 2, 3 in that order (not 2, 3, 1: the spec's train.epochs is 1), and the
+    trial that raises makes `raytf tune` exit 1 with one line naming it, without Tune's traceback. The console
+    script from the job folder, on its embedded local Ray."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (job_dir / "legacy_fn.py").write_text(LEGACY_TRAIN_FN)
+    spec = base_spec(model="legacy_fn:build_model", train_fn="legacy_fn:train",
+                     cluster={"workers": 2, "cpus_per_worker": 0.5})
+    spec["train"] = {"global_batch_size": 64, "seed": 0, "keras": "legacy"}
+    spec["tune"] = {"metric": "loss", "mode": "min",
+                    "space": {"optimizer.learning_rate": {"grid": [0.003, 0.01, 0.5]}}}
+    path = write_job(job_dir, spec, "sweep.yaml")
+    proc = subprocess.run([str(Path(sys.executable).parent / "raytf"), "tune", path.name], capture_output=True,
+                          text=True, timeout=380, cwd=job_dir)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "each trial starts new processes: a train_fn's own collectives" in proc.stderr
+    failed = [line for line in proc.stderr.splitlines() if line.startswith("raytf: error: trial ")]
+    assert len(failed) == 1 and failed[0].startswith("raytf: error: trial p02 failed: ") and "too high" in failed[0]
+    assert "Traceback" not in proc.stderr and "tune_controller" not in proc.stderr
+    for point in ("p00", "p01"):
+        told = [int(row["epoch"]) for row in tune_progress(job_dir, point)]
+        assert told == [1, 2, 3], (point, told)
+        said = [line for line in proc.stderr.splitlines() if line.startswith(f"raytf: {point} epoch ")]
+        assert [line.split()[3] for line in said] == ["1/?:", "2/?:", "3/?:"], said
+        result = json.loads((job_dir / "runs" / "t" / "trials" / point / "result.json").read_text())
+        assert result["status"] == "succeeded" and len(result["history"]) == 3
+        assert (job_dir / "runs" / "t" / "trials" / point / "model.keras").is_file()
+    rows = {r["point"]: r for r in json.loads((job_dir / "runs" / "t" / "sweep.json").read_text())["rows"]}
+    assert [rows[p]["status"] for p in ("p00", "p01", "p02")] == ["completed", "completed", "error"]
+    assert [rows[p]["epochs"] for p in ("p00", "p01")] == [3, 3]
