@@ -42,10 +42,12 @@ class TrainingFailed(RaytfError):
 
     exit_code = 1
 
-    def __init__(self, message: str, causes: dict[str, list[int]] | None = None, traceback: str | None = None):
+    def __init__(self, message: str, causes: dict[str, list[int]] | None = None, traceback: str | None = None,
+                 per_rank: dict[int, dict] | None = None):
         super().__init__(message)
         self.causes = causes or {}
         self.traceback = traceback
+        self.per_rank = per_rank or {}  # rank -> {"error", "traceback"}
 
 
 class TaskException(RaytfError):

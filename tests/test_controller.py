@@ -143,6 +143,21 @@ def test_peer_errors_within_the_grace_are_collected_root_cause_first(tmp_path):
     assert len(world.groups) == 1  # the job's own error: no restart
 
 
+def test_two_ranks_failing_differently_both_keep_their_tracebacks(tmp_path):
+    def script(attempt, task):
+        return Script(fail_after=3.0 + task.rank, error=user_error(f"bad shard {task.rank}", where=f"prep.py:{10 + task.rank}"))
+
+    c, world, clock = make(tmp_path, script, make_job(tmp_path))
+    with pytest.raises(TrainingFailed) as info:
+        run_fast(c)
+    assert 'File "prep.py:10"' in info.value.traceback and 'File "prep.py:11"' in info.value.traceback  # -v shows both
+    saved = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert saved["traceback"].startswith("--- rank 0 ---") and "--- rank 1 ---" in saved["traceback"]
+    by_rank = {t["rank"]: t for t in saved["tasks"]}
+    assert by_rank[0]["error"] == "prep.py:10: ValueError: bad shard 0" and 'File "prep.py:10"' in by_rank[0]["traceback"]
+    assert by_rank[1]["error"] == "prep.py:11: ValueError: bad shard 1" and 'File "prep.py:11"' in by_rank[1]["traceback"]
+
+
 def test_a_dead_actor_does_not_wait_for_its_peers(tmp_path):
     def script(attempt, task):
         if attempt == 1 and task.rank == 1:

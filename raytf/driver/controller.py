@@ -509,7 +509,7 @@ class Controller:
         if decision.action == "raise":
             self.error = TrainingFailed(f"training failed: {failure.message}"
                                         + (f" ({decision.reason})" if self.decisions else ""), failure.causes,
-                                        failure.traceback)
+                                        failure.traceback, failure.per_rank)
             self.state = FAILED
             return
         resumed = self.attempt.payload.resume_from
@@ -603,6 +603,8 @@ class Controller:
             result.history = list(self.epochs.history)
         if not result.tasks and self.attempt is not None and self.attempt.tasks:
             result.tasks = self._task_entries(self.attempt)
+        for entry in result.tasks:  # every failing rank's own error and traceback, not only the root cause's
+            entry.update(getattr(exc, "per_rank", {}).get(entry.get("rank"), {}))
 
     def _arm_standby(self) -> None:
         a = self.attempt

@@ -35,7 +35,8 @@ class Failure:
     ranks: tuple[int, ...]  # the ranks of the root cause
     causes: dict  # message -> ranks, root cause first
     details: dict = dataclasses.field(default_factory=dict)  # more for result.json's restart entry
-    traceback: str | None = None  # the root cause's, where a task raised it
+    traceback: str | None = None  # every failing rank's, root cause first, each headed by its rank
+    per_rank: dict = dataclasses.field(default_factory=dict)  # rank -> {"error", "traceback"}: result.json's tasks
 
 
 def classify(type_name: str, message: str, actor_died: bool = False) -> Kind:
@@ -67,5 +68,15 @@ def aggregate(errors: list[RankError]) -> Failure:
     root = ordered[0][1]
     lines = [f"rank(s) {', '.join(map(str, ranks))}: {msg}" for msg, ranks in causes.items()]
     message = lines[0] + ("; then " + "; ".join(lines[1:]) if len(lines) > 1 else "")
+    per_rank = {e.rank: {"error": e.message, "traceback": e.traceback} for _, e in ordered}
     return Failure(kind=root.kind, message=message, ranks=tuple(causes[root.message]), causes=causes,
-                   traceback=root.traceback)
+                   traceback=all_tracebacks([e for _, e in ordered]), per_rank=per_rank)
+
+
+def all_tracebacks(errors: list[RankError]) -> str | None:
+    """Each failing rank's traceback in the order given (root cause first), headed by its rank: with two ranks
+    failing differently, both are kept (only the first was)."""
+    kept = [(e.rank, e.traceback) for e in errors if e.traceback]
+    if len(kept) <= 1:
+        return kept[0][1] if kept else None
+    return "\n".join(f"--- rank {rank} ---\n{text.rstrip()}" for rank, text in kept)
