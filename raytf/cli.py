@@ -126,7 +126,9 @@ def run(job_file: str, address: str | None, settings: tuple[str, ...], quiet: bo
         result = fit(job_file, parse_set_options(list(settings)), address=address, display=display,
                      resume="auto" if resume_auto else (True if resume else None), verbose=verbose)
     final = result.final
-    shown = "  ".join(f"{k} {v:.4f}" for k, v in final.items() if isinstance(v, float) and k != "seconds")
+    from raytf.driver.report import fmt
+
+    shown = "  ".join(f"{k} {fmt(v)}" for k, v in final.items() if isinstance(v, float) and k != "seconds")
     click.echo(f"raytf: {result.name} {result.status}: {shown}")
     exported = ", ".join(f"{fmt} {path}" for fmt, path in result.exports.items()) or "no model"
     click.echo(f"raytf: result {result.output_dir}/result.json; {exported}")

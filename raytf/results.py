@@ -141,7 +141,9 @@ def describe(saved: dict[str, Any], where: str) -> str:
     history = saved.get("history") or []
     if history:
         last = history[-1]
-        shown = "  ".join(f"{k} {v:.4f}" for k, v in last.items() if isinstance(v, float) and k != "seconds")
+        from raytf.driver.report import fmt
+
+        shown = "  ".join(f"{k} {fmt(v)}" for k, v in last.items() if isinstance(v, float) and k != "seconds")
         lines.append(f"  {len(history)} epoch(s); epoch {last.get('epoch')}: {shown}")
     for attempt in saved.get("attempts") or []:
         cluster = (attempt.get("cluster") or {}).get("session", "?")

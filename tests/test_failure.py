@@ -117,3 +117,13 @@ def test_a_checkpoint_fits_when_the_way_to_the_stop_and_two_saves_fit_before_the
     assert checkpoint_fits(None, 5.0, 1.0) and checkpoint_fits(3.0, None, 1.0)  # nothing to compare: try
     assert checkpoint_fits(12.0, 5.0, 0.5)  # 0.5 + 2 x 5 + 1 = 11.5 < 12
     assert not checkpoint_fits(12.0, 5.0, 2.0)  # slow steps: the way to the stop takes 2 s
+
+
+def test_a_known_cause_gets_its_fix_in_the_first_line_and_small_numbers_keep_their_digits():
+    from raytf.actor.raised import summary, with_fix
+    from raytf.driver.report import fmt
+
+    said = summary(with_fix("'ShardedVariable' object has no attribute 'handle'\nTraceback ..."))
+    assert said.startswith("'ShardedVariable' object has no attribute 'handle' (Keras 3 optimizers cannot update")
+    assert "train.keras: legacy" in said and with_fix("some other error") == "some other error"
+    assert fmt(1e-05) == "1.00e-05" and fmt(0.25) == "0.2500" and fmt(0.0) == "0.0000"

@@ -51,9 +51,26 @@ def capture(exc: BaseException, job_roots: list[str]) -> BaseException:
     if isinstance(exc, RaytfError):
         return exc
     frames = [(f.filename, f.lineno or 0) for f in traceback.extract_tb(exc.__traceback__)]
-    message = str(exc)
+    message = with_fix(str(exc))
     return TaskException(type(exc).__name__, message, user_line(frames, message, job_roots),
                          "".join(traceback.format_exception(exc)))
+
+
+# Errors whose cause is known, and the fix, said in the error's first line (what the terminal shows).
+KNOWN_FIXES = {
+    "'ShardedVariable' object has no attribute 'handle'":
+        "Keras 3 optimizers cannot update sharded variables (a variable_partitioner under parameter servers): "
+        "run the script under train.keras: legacy (tf-keras), or drop the partitioner",
+}
+
+
+def with_fix(message: str) -> str:
+    """`message` with the fix of a known cause added to its first line."""
+    for cause, fix in KNOWN_FIXES.items():
+        if cause in message:
+            first, _, rest = message.partition("\n")
+            return f"{first} ({fix})" + (f"\n{rest}" if rest else "")
+    return message
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Keras 3 sets the key sentence of its errors in bold

@@ -101,7 +101,8 @@ def write_artifacts(output_dir: Path, artifacts: dict[str, bytes]) -> None:
         target.write_bytes(blob)
 
 
-def _fmt(value: Any) -> str:
+def fmt(value: Any) -> str:
+    """A metric as the terminal shows it: 4 decimals, small values (a decayed learning rate) in e-notation."""
     if isinstance(value, float):
         if 0 < abs(value) < 1e-3:  # a decayed learning rate is not 0.0000
             return f"{value:.2e}"
@@ -127,7 +128,7 @@ def summary_table(history: list[dict[str, Any]]) -> str:
     skip = {"step"}
     columns = [c for c in history[0] if c not in skip]
     columns = ["epoch"] + [c for c in columns if c != "epoch"]
-    rows = [[_fmt(h.get(c, "")) for c in columns] for h in history]
+    rows = [[fmt(h.get(c, "")) for c in columns] for h in history]
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
     line = lambda cells: "  ".join(cell.rjust(w) for cell, w in zip(cells, widths))  # noqa: E731
     return "\n".join([line(columns), line(["-" * w for w in widths])] + [line(r) for r in rows])
@@ -152,7 +153,7 @@ class ProgressDisplay:
             print(text, file=self.stream, flush=True)
 
     def epoch(self, metrics: dict[str, Any]) -> None:
-        shown = "  ".join(f"{k} {_fmt(v)}" for k, v in metrics.items() if k not in ("epoch", "step", "seconds"))
+        shown = "  ".join(f"{k} {fmt(v)}" for k, v in metrics.items() if k not in ("epoch", "step", "seconds"))
         self.message(f"epoch {metrics['epoch']} done in {metrics.get('seconds', 0):.1f}s: {shown}")
 
     def update(self, chief: "Progress | None", examples_per_s: float | None) -> None:
