@@ -6,6 +6,7 @@ field renamed on one side breaks the other at once. result.json stays plain dict
 """
 from __future__ import annotations
 
+
 import dataclasses
 import importlib
 from typing import Any, Callable
@@ -13,6 +14,8 @@ from typing import Any, Callable
 from raytf.checkpoint import CheckpointInfo
 from raytf.data import DatasetInfo
 from raytf.spec import JobSpec, function_ref
+
+OUTPUTS = "outputs"  # in output.dir: what the chief's script wrote into its working folder (ctx.output_dir)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -671,7 +671,9 @@ def train(ctx):
         model.compile(optimizer=tf.keras.optimizers.Adam(rate),
                       loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
     model.fit(ctx.distributed_dataset("train"), epochs=EPOCHS, steps_per_epoch=ctx.steps_per_epoch, verbose=0,
-              callbacks=[tf.keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: ctx.report(logs))])
+              callbacks=[tf.keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: ctx.report(logs)),
+                         tf.keras.callbacks.TensorBoard(log_dir="./logs"),  # as the tutorials write them
+                         tf.keras.callbacks.ModelCheckpoint("best.keras", monitor="loss", save_best_only=True)])
     ctx.save_model(model)  # on every worker, as tf-keras needs
 '''
 
@@ -682,7 +684,8 @@ def test_a_sweep_of_a_tf_keras_train_fn_saves_every_trial_hears_its_epochs_in_or
         job_dir):
     """Three trials of a tf.keras train_fn that counts its own 3 epochs and saves on every worker (tf-keras's
     save is a collective): its processes are not reused (a reused group hung in that save), both good trials are
-    exported, Tune hears epochs 1, 2, 3 in that order (not 2, 3, 1: the spec's train.epochs is 1), and the
+    exported with what the script's own TensorBoard and ModelCheckpoint callbacks wrote (outputs/) and raytf's
+    epoch events, Tune hears epochs 1, 2, 3 in that order (not 2, 3, 1: the spec's train.epochs is 1), and the
     trial that raises makes `raytf tune` exit 1 with one line naming it, without Tune's traceback. The console
     script from the job folder, on its embedded local Ray."""
     import subprocess
@@ -710,7 +713,11 @@ def test_a_sweep_of_a_tf_keras_train_fn_saves_every_trial_hears_its_epochs_in_or
         assert [line.split()[3] for line in said] == ["1/?:", "2/?:", "3/?:"], said
         result = json.loads((job_dir / "runs" / "t" / "trials" / point / "result.json").read_text())
         assert result["status"] == "succeeded" and len(result["history"]) == 3
-        assert (job_dir / "runs" / "t" / "trials" / point / "model.keras").is_file()
+        trial = job_dir / "runs" / "t" / "trials" / point
+        assert (trial / "model.keras").is_file()
+        # what the script's own callbacks wrote on the chief came home; raytf's epoch events too
+        assert (trial / "outputs" / "best.keras").is_file() and list((trial / "outputs" / "logs").rglob("events.out*"))
+        assert list((trial / "tensorboard").glob("events.out*"))
     rows = {r["point"]: r for r in json.loads((job_dir / "runs" / "t" / "sweep.json").read_text())["rows"]}
     assert [rows[p]["status"] for p in ("p00", "p01", "p02")] == ["completed", "completed", "error"]
     assert [rows[p]["epochs"] for p in ("p00", "p01")] == [3, 3]

@@ -7,6 +7,7 @@ No TensorFlow import here.
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Any, Callable
 
@@ -40,8 +41,11 @@ class TaskContext:
     `global_batch_size`, `steps_per_epoch`, `validation_steps`, `is_chief`, `spec`, `config`, `build_model()`;
     `dataset(name)` / `distributed_dataset(name)` (this worker's shard of the job's data),
     `checkpoint(model=..., optimizer=...)` (save(step) / restore()), `step(step, loss)` as steps go,
-    `report(metrics)` once per epoch, and `save_model(model)` on every worker (it syncs BatchNormalization
-    statistics; the chief's copy becomes <output.dir>/model.keras). raytf.actor.own_loop implements them.
+    `report(metrics)` once per epoch (the chief's also go to <output.dir>/tensorboard), and `save_model(model)`
+    on every worker (it syncs BatchNormalization statistics; the chief's copy becomes <output.dir>/model.keras).
+    `output_dir`: the task's working folder: what the chief's script writes there (TensorBoard logs,
+    ModelCheckpoint files, `model.save("my_model.keras")`, relative paths included) comes home in
+    <output.dir>/outputs/. raytf.actor.own_loop implements them.
     """
 
     def __init__(self, rank: int, world_size: int, spec: JobSpec, staging_dir: str,
@@ -69,6 +73,8 @@ class TaskContext:
         self.exports: dict[str, str] = {}  # format -> path in staging_dir, from save_model
         self._payload = payload
         self._epoch_started = time.time()  # a train_fn's epoch, for report()
+        self.output_dir: str | None = None  # the task's working folder (raytf.actor.task_actor sets it)
+        self._writer = None  # the chief's TensorBoard writer for a train_fn's epochs, made at the first report
 
     def attach(self, own_loop, state_sync: Callable[[Any], None] | None = None) -> None:
         """raytf.actor.own_loop, before the train_fn runs: the strategy, data plan and checkpoints behind
@@ -134,6 +140,20 @@ class TaskContext:
         self.history.append(entry)
         self.global_step = int(entry.get("step", self.global_step))
         self.channel.epoch_end(entry)
+        if self.is_chief and self.spec.output.tensorboard:
+            self._tensorboard(entry)
+
+    def _tensorboard(self, entry: dict[str, Any]) -> None:
+        """A train_fn's epoch as raytf's loop writes its own: each number a scalar at step = epoch."""
+        import tensorflow as tf
+
+        if self._writer is None:
+            self._writer = tf.summary.create_file_writer(os.path.join(self.staging_dir, "tensorboard"))
+        with self._writer.as_default(step=entry["epoch"]):
+            for key, value in entry.items():
+                if key not in ("epoch", "step") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    tf.summary.scalar(key, float(value))
+        self._writer.flush()
 
     def build_model(self):
         if self._payload is None or self.spec.model is None:

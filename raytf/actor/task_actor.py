@@ -21,7 +21,7 @@ import ray
 from raytf.actor import raised, scratch, workdir
 from raytf.actor.channel import TaskChannel
 from raytf.actor.context import TaskContext
-from raytf.protocol import Outcome, Progress, StopAnswer, WorkerPayload
+from raytf.protocol import OUTPUTS, Outcome, Progress, StopAnswer, WorkerPayload
 from raytf.rendezvous import ActorLocation, Task
 
 
@@ -92,8 +92,11 @@ class TaskActor:
         if self._scratch is None:
             self._make_scratch()
         os.environ["TF_CONFIG"] = tf_config  # an evaluator's names the cluster it is not part of, as TF's do
+        if self._channel is not None:  # a setup again (a fresh rendezvous, a sweep's next trial)
+            self._channel.end_series()
         self._channel = TaskChannel(task.rank, series=_series(task, payload.spec))
         self._ctx = TaskContext(task.rank, world_size, payload.spec, self._staging, payload, self._channel)
+        self._ctx.output_dir = self._workdir
         self._tf_import.join()
         import tensorflow as tf
 
@@ -127,7 +130,7 @@ class TaskActor:
         os.mkdir(self._staging)
         os.mkdir(os.path.join(self._scratch.path, "tmp"))
         tempfile.tempdir = os.path.join(self._scratch.path, "tmp")
-        workdir.enter(self._job_root, os.path.join(self._scratch.path, "work"))  # relative writes: this task's
+        self._workdir = workdir.enter(self._job_root, os.path.join(self._scratch.path, "work"))  # relative writes
         self._sweep_node()
 
     def _sweep_node(self) -> None:
@@ -141,9 +144,13 @@ class TaskActor:
                 outcome = self._backend.train(self._started, self._task, payload, self._ctx)
             except Exception as exc:
                 raise raised.capture(exc, [self._job_root, payload.job_dir]) from None
-            # artifacts: the chief's model and events; any rank's profile
+            # artifacts: the chief's model and events, and what the script wrote into its working folder
+            # (outputs/); any rank's profile
+            artifacts = _collect(self._staging)
+            if self._ctx.is_chief:
+                artifacts.update(workdir.written(self._workdir, prefix=OUTPUTS))
             return dataclasses.replace(outcome, rank=self._ctx.rank, started_at=started, finished_at=time.time(),
-                                       first_step_at=self._channel.first_step_at, artifacts=_collect(self._staging))
+                                       first_step_at=self._channel.first_step_at, artifacts=artifacts)
         finally:  # the task's files on this node (data.cache: disk may be gigabytes), also when training failed
             self.cleanup()
             self._sweep_node()  # those of tasks killed in this job (a restart's) are gone by now
@@ -151,6 +158,8 @@ class TaskActor:
     def cleanup(self) -> None:
         """Remove this task's folder. The driver asks it of every task it stops (a parameter-server task
         never returns from train), before killing them."""
+        if self._channel is not None:
+            self._channel.end_series()  # its gauges stop being set: they end (raytf.metrics)
         if self._scratch is not None:
             tempfile.tempdir = self._tempdir_before
             os.chdir(self._job_root)  # out of the folder being removed
@@ -234,6 +243,8 @@ def _series(task: Task, spec) -> Any:
     """The task's Prometheus series (output.metrics), tagged with the run, its role, rank and node."""
     if not spec.output.metrics:
         return None
+    from raytf import backends
     from raytf.metrics import TaskSeries
 
-    return TaskSeries(spec.name, task.role, task.rank, task.node_id)
+    role = backends.get(spec.strategy).role_name(task)  # as the run's summary names it: a mirrored rank 0 is chief
+    return TaskSeries(spec.name, role, task.rank, task.node_id)

@@ -22,3 +22,21 @@ def enter(job_root: str, folder: str) -> str:
         sys.path.insert(0, job_root)
     os.chdir(folder)
     return folder
+
+
+def written(folder: str, prefix: str) -> dict[str, bytes]:
+    """What the task wrote into its working folder (`folder`, made by `enter`): every file under an entry
+    that is not one of the job folder's links, keyed `<prefix>/<path relative to folder>`."""
+    out = {}
+    for entry in os.scandir(folder):
+        if entry.is_symlink() or entry.name == "__pycache__":  # the job folder's own entry; Python's bytecode
+            continue
+        paths = [entry.path] if entry.is_file() else [os.path.join(root, name) for root, _, names in
+                                                       os.walk(entry.path) for name in names
+                                                       if "__pycache__" not in root]
+        for path in paths:
+            if os.path.islink(path) or not os.path.isfile(path):
+                continue
+            with open(path, "rb") as f:
+                out[f"{prefix}/{os.path.relpath(path, folder)}"] = f.read()
+    return out
