@@ -48,9 +48,19 @@ def uninterrupted(cluster, tmp_path_factory):
     return spec, raytf.fit(write_job(folder, spec)), folder / "ckpt"
 
 
-def test_a_killed_worker_costs_one_restart_and_the_run_ends_where_it_would_have(cluster, job_dir, uninterrupted):
+@pytest.fixture
+def prometheus_server(cluster):
+    """A real Prometheus scraping every node of the cluster each second (tests/prometheus.py)."""
+    with prometheus.Server(prometheus.node_targets()) as server:
+        yield server
+
+
+def test_a_killed_worker_costs_one_restart_and_the_run_ends_where_it_would_have(cluster, job_dir, uninterrupted,
+                                                                                prometheus_server):
     """...and Prometheus sees it (each node's metrics endpoint, Ray's metrics API): each rank's step count
-    grows while it trains, each process counts the steps it ran, and the driver counts one restart."""
+    grows while it trains, each process counts the steps it ran, and the driver counts one restart. A real
+    Prometheus scraping the nodes answers every query of the Grafana dashboard during and after the run, the
+    job state without a gap (tests/prometheus.py's check_dashboard)."""
     _, baseline, _ = uninterrupted
     # What an earlier task killed on this node left (its disk cache): the tasks of this job sweep it.
     left_by_a_killed_task = made_by_a_process_that_exited(tempfile.gettempdir())
@@ -58,6 +68,7 @@ def test_a_killed_worker_costs_one_restart_and_the_run_ends_where_it_would_have(
     killer = Killer(rank=1, at_step=130, attempts={1})
     job = load(write_job(job_dir, ft_spec(job_dir, name="killed")))
     counted: dict[str, list[float]] = {"0": [], "1": []}  # rank -> its steps counted so far, scrape after scrape
+    dashboard = prometheus.DashboardWatch(prometheus_server, "killed")
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         running = pool.submit(run, job, group_cls=killer.group_cls)
         while not running.done():
@@ -65,6 +76,7 @@ def test_a_killed_worker_costs_one_restart_and_the_run_ends_where_it_would_have(
                       if labels["run"] == "killed"]
             for rank in counted:  # every process the rank had (a restarted task is a new one)
                 counted[rank].append(sum(value for labels, value in series if labels["rank"] == rank))
+            dashboard.poll()
             time.sleep(0.2)
         result = running.result()
 
@@ -104,9 +116,11 @@ def test_a_killed_worker_costs_one_restart_and_the_run_ends_where_it_would_have(
             break
         time.sleep(0.5)
     assert done, (series, restarts)
+    assert [t["role"] for t in result.tasks] == ["chief", "worker"]
     for task in result.tasks:
         tags = {(labels["role"], labels["node"]) for labels, _ in series if labels["rank"] == str(task["rank"])}
-        assert tags == {("worker", task["node_id"])}  # its run, role, rank and node (both processes: one node)
+        assert tags == {(task["role"], task["node_id"])}  # its run, role, rank and node (both processes: one node)
+    print("prometheus:", prometheus.check_dashboard(dashboard, restarts=1))
     assert_nothing_left()
     assert not os.path.exists(left_by_a_killed_task)
     assert task_files_in_temp_dir() - temp_before == set()  # the killed worker's folder went too

@@ -141,6 +141,11 @@ class TaskChannel:
             self._evaluations.append(dict(metrics))
             self._progress = dataclasses.replace(self._progress, phase="evaluated", updated=time.time())
 
+    def end_series(self) -> None:
+        """The task's job is over in this process: its series' keep-alive stops (raytf.metrics.TaskSeries)."""
+        if self._series is not None:
+            self._series.close()
+
     def progress(self) -> Progress:
         """The latest step, and every epoch's metrics so far (so a slow poller misses none)."""
         self._to_series(lambda: self._series.refresh())

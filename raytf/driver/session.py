@@ -16,6 +16,7 @@ from typing import Iterator
 
 import ray
 
+from raytf import metrics
 from raytf.actor import scratch
 from raytf.errors import RaytfError
 
@@ -81,6 +82,7 @@ def ray_session(address: str | None = None, verbose: bool = False) -> Iterator[s
     try:
         if address:
             check_reachable(address)
+            metrics.driver_exports_every_second()  # a cluster's node may keep the job state's gauge only 2 s
             _init(address, dict(address=address, **options))
             hint = "on each node under its Ray session folder (/tmp/ray/session_latest/logs), or `ray logs`"
         else:
