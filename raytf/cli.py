@@ -72,7 +72,8 @@ def _exit(code: int) -> None:
     exit, without end)."""
     from raytf import storage
 
-    if "pyarrow" in sys.modules and storage.calls_abandoned():
+    # Only as the console script: in a host process (click's CliRunner, a test) an os._exit would end its host.
+    if "pyarrow" in sys.modules and storage.calls_abandoned() and sys.stdout is sys.__stdout__:
         from raytf.driver import quiet
 
         sys.stdout.flush()

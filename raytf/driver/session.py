@@ -83,12 +83,12 @@ def ray_session(address: str | None = None, verbose: bool = False) -> Iterator[s
         if address:
             check_reachable(address)
             metrics.driver_exports_every_second()  # a cluster's node may keep the job state's gauge only 2 s
-            _init(address, dict(address=address, **options))
+            _init(address, options)
             hint = "on each node under its Ray session folder (/tmp/ray/session_latest/logs), or `ray logs`"
         else:
             # "local": a fresh Ray of our own. A bare ray.init() would join whatever cluster was started
             # last on this machine (/tmp/ray/ray_current_cluster) -- someone else's, or a test's.
-            _init(None, dict(address="local", include_dashboard=False, **options))
+            _init("local", dict(include_dashboard=False, **options))
             _set_embedded(True)
             hint = _local_logs()
         _keep_handler(signal.SIGTERM, term)
@@ -106,13 +106,14 @@ def ray_session(address: str | None = None, verbose: bool = False) -> Iterator[s
             set_auth_mode(None)
 
 
-def _init(address: str | None, options: dict) -> None:
-    """ray.init, its failure one line (Ray's own is a long traceback from deep inside it)."""
+def _init(address: str, options: dict) -> None:
+    """ray.init, its failure one line (Ray's own is a long traceback from deep inside it). `address`: a
+    cluster's, or "local" for an embedded Ray of our own."""
     try:
-        ray.init(**options)
+        ray.init(address=address, **options)
     except Exception as exc:  # noqa: BLE001 -- whatever Ray raises, the user needs the first line and the place
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-        where = f"the Ray cluster at {address}" if address else "an embedded local Ray"
+        where = "an embedded local Ray" if address == "local" else f"the Ray cluster at {address}"
         raise RaytfError(f"could not connect to {where} ({first}); -v shows Ray's own output") from None
 
 
