@@ -25,6 +25,9 @@ PARAMS_PER_CALL = 100
 PROBE_TIMEOUT_S = 5.0
 # raytf's status -> MLflow's RunStatus name
 STATUS = {"succeeded": "FINISHED", "failed": "FAILED", "interrupted": "KILLED"}
+# The experiment raytf creates is a training one: MLflow 3's UI files an experiment without this tag under
+# its GenAI view. Key and value as the UI's own experiment-type selector sets them ("Machine learning").
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 
 
 class TrackingUnavailable(RaytfError):
@@ -184,11 +187,13 @@ class MlflowRun:
 
 
 def _experiment_id(client, name: str, artifact_location: str | None = None) -> str:
+    """The experiment's id; one that is not there is created, tagged as a training experiment (one that
+    is keeps its tags: its kind may be the user's choice)."""
     found = client.get_experiment_by_name(name)
     if found is not None:
         return found.experiment_id
     try:
-        return client.create_experiment(name, artifact_location=artifact_location)
+        return client.create_experiment(name, artifact_location=artifact_location, tags=EXPERIMENT_KIND)
     except Exception:  # another trial made it meanwhile
         found = client.get_experiment_by_name(name)
         if found is None:

@@ -51,6 +51,9 @@ def test_two_workers_on_two_gpu_nodes_train_to_identical_weights(cluster, job_di
     assert any(p.name.startswith("events.out.tfevents") for p in (job_dir / "runs" / "two-nodes" / "tensorboard").iterdir())
 
     [run] = mlflow.runs("two-gpu-nodes")
+    # a training experiment, not filed under MLflow 3's GenAI view (the tag its UI's own selector sets)
+    assert mlflow.client().get_experiment_by_name("two-gpu-nodes").tags["mlflow.experimentKind"] == \
+        "custom_model_development"
     assert run.info.status == "FINISHED" and run.info.run_name == "two-nodes"
     assert run.data.params["train.epochs"] == "3" and run.data.params["cluster.placement"] == "strict_spread"
     assert run.data.params["tracking.mlflow.uri"] == mlflow.uri  # the spec as it ran (no secret can be in it)

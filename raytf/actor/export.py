@@ -6,6 +6,12 @@ schema) and returns `{"output": the model's output, float32}`.
 The SavedModel is written from a plain copy of the model, built outside any strategy with the trained
 weights: no MirroredVariables, no ps shards (a partitioned table is one variable again), and a subclassed
 model works as well as a functional one.
+
+It is written with `keras.export.ExportArchive`, which saves the variables the signature reads as the
+SavedModel's own (Keras 3 models, and tf.keras ones under train.keras: legacy). A Keras 3 model as an
+attribute of a `tf.Module` (`tf.saved_model.save`) loads with `tf.saved_model.load`, but the TF1 session
+loader that TF Serving and `saved_model_cli run` use fails on the first prediction ("Could not find
+variable ..."; tensorflow#72963, keras#20095).
 """
 from __future__ import annotations
 
@@ -38,10 +44,31 @@ def write(model: keras.Model, payload, staging_dir: str, plain: bool = False) ->
         if features is None:
             raise ValueError("output.export: saved_model needs data (Parquet): the signature is named after "
                              "its feature columns")
-        servable = model if plain else plain_copy(payload.function("model"), model.get_weights(), payload)
+        servable = model if plain else plain_copy(builder(model, payload), model.get_weights(), payload)
         saved_model(servable, features, os.path.join(staging_dir, SAVED_MODEL_DIR), payload)
         out["saved_model"] = SAVED_MODEL_DIR
     return out
+
+
+def builder(model, payload) -> Callable[[], keras.Model]:
+    """What builds a fresh copy of `model`: the spec's model function, or (a train_fn that builds its own
+    model, no `model:` in the spec) a clone from the model's config, Keras 3 or tf.keras as the model is."""
+    if payload.spec.model is not None:
+        return payload.function("model")
+    if isinstance(model, keras.Model):
+        clone_model = keras.models.clone_model
+    else:  # a tf.keras (tf-keras, Keras 2) model
+        from tf_keras.models import clone_model
+
+    def clone() -> keras.Model:
+        try:
+            return clone_model(model)
+        except Exception as exc:
+            raise ValueError(f"output.export: saved_model: could not copy the train_fn's {type(model).__name__} "
+                             f"from its config ({type(exc).__name__}: {exc}); name the function that builds it "
+                             f"as the spec's model: (module:function)") from exc
+
+    return clone
 
 
 def plain_copy(build: Callable[[], keras.Model], weights: list, payload) -> keras.Model:
@@ -57,8 +84,6 @@ def saved_model(model: keras.Model, features: tuple[Column, ...], path: str, pay
     """The model behind a `serving_default` signature over the raw feature columns, by name. With
     data.decode/preprocess, those run inside it, per row, as for validation: clients send what the Parquet
     holds (e.g. PNG bytes)."""
-    module = tf.Module()
-    module.model = model  # tracked: its variables are saved
     examples = None
     if payload is not None and payload.spec.data.per_example:
         examples, example_input = Examples(payload, payload.train_data, training=False), sample_input(payload)
@@ -69,5 +94,7 @@ def saved_model(model: keras.Model, features: tuple[Column, ...], path: str, pay
         output = steps_lib.float32(model(x, training=False))
         return output if isinstance(output, dict) else {"output": output}
 
-    module.serve = serve
-    tf.saved_model.save(module, path, signatures={"serving_default": serve})
+    archive = keras.export.ExportArchive()
+    archive.track(model)  # its variables, and any lookup table in it
+    archive.add_endpoint("serving_default", serve)  # a traced tf.function: autograph on, as for training
+    archive.write_out(path, verbose=False)
