@@ -101,7 +101,9 @@ def assert_nothing_left(deadline_s=15):
 
     end = time.time() + deadline_s
     while True:
-        actors = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if a.class_name == "TaskActor"]
+        # this process's cluster, by its address: without one Ray asks the newest cluster on the machine
+        actors = [a for a in list_actors(address=ray.get_runtime_context().gcs_address,
+                                         filters=[("state", "=", "ALIVE")]) if a.class_name == "TaskActor"]
         groups = [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
         if not actors and not groups:
             return
