@@ -19,7 +19,20 @@ _VERBOSE_HELP = ("Also show Ray's and TensorFlow's own output: the workers' logs
                  "(by default only raytf's lines; the workers' logs stay in Ray's session folder).")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Main(click.Group):
+    """Every command's exit, whatever its path, through `_exit`: after an abandoned store call pyarrow's S3
+    client would otherwise hold the process at exit without end."""
+
+    def main(self, *args, **kwargs):
+        try:
+            return super().main(*args, **kwargs)
+        except SystemExit as exc:
+            if exc.code is None or isinstance(exc.code, int):
+                _exit(exc.code or 0)
+            raise
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="raytf")
 def main() -> None:
     """Distributed TensorFlow training on Ray."""
@@ -188,6 +201,7 @@ def tune_command(sweep_file: str, address: str | None, settings: tuple[str, ...]
     from raytf.driver.report import ProgressDisplay
     from raytf.job import parse_set_options
 
+    signal.signal(signal.SIGTERM, _interrupt)  # as for run: the Ctrl-C path, the sweep's files shipped
     with _exit_on_error("raytf: interrupted; `raytf tune --resume` continues the sweep"):
         result = tune(sweep_file, parse_set_options(list(settings)), address=address,
                       display=ProgressDisplay(quiet=quiet), resume=resume, verbose=verbose)

@@ -20,7 +20,7 @@ from raytf.errors import SpecError, clip
 from raytf.job_code import check_job_code, check_train_fn_keras, find_module
 from raytf.labels import check_labels
 from raytf.spec import FUNCTION_KEYS, JobSpec, function_ref
-from raytf.storage import is_uri, shown, uri_problem
+from raytf.storage import TIMEOUT_S, endpoint_of, is_uri, shown, within
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,8 +246,12 @@ def load(source: "str | Path | Mapping[str, Any] | JobSpec | Job",
         for split in ("train", "validation"):
             path = getattr(spec.data, split)
             if path is not None:
-                job.datasets[split] = data.read_info(job.data_path(path), spec.data.features, spec.data.label,
-                                                    key=f"data.{split}", fill_nulls=spec.data.fill_nulls)
+                where = job.data_path(path)
+                read = lambda where=where, split=split: data.read_info(  # noqa: E731
+                    where, spec.data.features, spec.data.label, key=f"data.{split}", fill_nulls=spec.data.fill_nulls)
+                # a bucket that never answers is an error naming it, not a hang (raytf.storage's deadline)
+                job.datasets[split] = within(TIMEOUT_S, f"data.{split} {shown(where)} ({endpoint_of(where)})",
+                                             read) if is_uri(where) else read()
                 data.check_images(job.datasets[split], spec.data.decode, key=f"data.{split}")
         check_labels(spec, job.datasets)
         undecoded = [c.name for c in job.datasets["train"].features

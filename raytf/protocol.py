@@ -96,6 +96,7 @@ class Outcome:
     replicas: int | None = None
     optimizer_steps: int | None = None
     exports: dict[str, str] = dataclasses.field(default_factory=dict)  # format -> path in its staging folder
+    load_note: str | None = None  # what loading model.keras as a user would takes, when more than load_model(path)
     timing: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)  # "worker-<i>" -> input wait, step time
     variable_devices: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # parameter servers, central_storage
     recovered_workers: list[str] = dataclasses.field(default_factory=list)  # the PS coordinator's

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from raytf.errors import RaytfError, SpecError, clip
-from raytf.storage import Folder, is_uri
+from raytf.storage import Folder, StorageError, is_uri
 
 RESULT = "result.json"
 
@@ -55,6 +55,9 @@ def read(where: str) -> dict[str, Any]:
         data = Folder(where, "output.dir").read_bytes(RESULT)
     except SpecError:  # a URI pyarrow cannot open: RUN's fault
         raise
+    except StorageError as exc:  # the store's own error, from raytf.storage: the environment, not RUN
+        raise StorageUnreadable(f"cannot read {where}/{RESULT} ({_first_line(exc.cause)}); "
+                                f"{_storage_fix(where, exc.cause)}") from None
     except RaytfError as exc:  # a store that did not answer in time, said by raytf.storage
         raise StorageUnreadable(str(exc)) from None
     except OSError as exc:  # pyarrow's errors from the store or the disk: the environment, not RUN

@@ -32,6 +32,21 @@ class StorageTimeout(RaytfError):
     """A store that did not answer in time (exit 1: the environment, not the spec)."""
 
 
+class StorageError(RaytfError):
+    """A store's own error (unreachable, refused, throttled) in one line naming the folder, the endpoint and what
+    raytf was doing (exit 1); `cause` is pyarrow's error."""
+
+    def __init__(self, message: str, cause: BaseException):
+        super().__init__(message)
+        self.cause = cause
+
+
+# Credentials in a URI: "user:secret@" (a secret may hold "/", as AWS secret keys do), or a bare key before the
+# bucket of an object store ("s3://KEY@bucket"; hdfs://user@namenode names a user, not a secret).
+_SECRET = re.compile(r"^([a-z][a-z0-9+.-]*://)[^@/?#]*:[^@]*@", re.IGNORECASE)
+_BARE_KEY = re.compile(r"^((?:s3|s3a|gs|gcs|abfs|abfss|az)://)[^/@]*@", re.IGNORECASE)
+
+
 def uri_problem(where: str) -> str | None:
     """What is wrong with a storage URI before anything opens it (pure), or None: a URI with no bucket or
     host (`s3://` alone), or credentials inside it (every log, result.json and manifest would repeat them).
@@ -40,7 +55,7 @@ def uri_problem(where: str) -> str | None:
     if match is None:
         return None
     scheme, authority = match.group(1).lower(), match.group(2)
-    if "@" in authority:
+    if _SECRET.match(where) or _BARE_KEY.match(where):
         return (f"carries credentials before '@', which logs, result.json and manifests would repeat; give "
                 f"{scheme}://<bucket>/<path> and the credentials in the environment (AWS_ACCESS_KEY_ID and "
                 f"AWS_SECRET_ACCESS_KEY for s3://, GOOGLE_APPLICATION_CREDENTIALS for gs://)")
@@ -51,7 +66,10 @@ def uri_problem(where: str) -> str | None:
 
 def shown(where: str) -> str:
     """A URI fit for a message: credentials before '@' masked."""
-    return re.sub(r"^([a-z][a-z0-9+.-]*://)[^/@]*@", r"\1***@", str(where), flags=re.IGNORECASE)
+    where = str(where)
+    for pattern in (_SECRET, _BARE_KEY):
+        where = pattern.sub(r"\1***@", where)
+    return where
 
 
 def endpoint_of(where: str) -> str:
@@ -167,10 +185,11 @@ class Folder:
             raise SpecError(f"{what} {shown(str(where))} {problem}")
         try:
             self.fs, self.root = self._call(lambda: open_fs(self.where), "opening it")
-        except RaytfError:
+        except StorageTimeout:
             raise
-        except Exception as exc:  # an unknown scheme, a malformed URI, a missing library
-            raise SpecError(f"{what} {self.where}: pyarrow cannot open it ({_first_line(exc)}); give a local path "
+        except Exception as exc:  # an unknown scheme, a malformed URI, a missing library, a bucket not found
+            exc = exc.cause if isinstance(exc, StorageError) else exc
+            raise SpecError(f"{what} {shown(self.where)}: pyarrow cannot open it ({_first_line(exc)}); give a local path "
                             f"or a URI pyarrow.fs knows (s3://bucket/path, gs://bucket/path, hdfs://host/path)") from None
 
     def _call(self, call: Callable[[], T], doing: str = "") -> T:
@@ -178,8 +197,12 @@ class Folder:
         directly: its errors are immediate)."""
         if not is_uri(self.where):
             return call()
-        return within(self.timeout_s, f"{self.what} {self.where} ({endpoint_of(self.where)}{', ' if doing else ''}"
-                                      f"{doing})", call)
+        what = f"{self.what} {shown(self.where)} ({endpoint_of(self.where)}{', ' if doing else ''}{doing})"
+        try:
+            return within(self.timeout_s, what, call)
+        except OSError as exc:  # pyarrow's: one line, not a traceback from deep inside it
+            raise StorageError(f"{what}: {_first_line(exc)}; check the endpoint, the credentials and that the "
+                               f"bucket exists", exc) from None
 
     @property
     def remote(self) -> bool:

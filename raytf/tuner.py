@@ -38,7 +38,7 @@ from raytf.driver.report import ProgressDisplay
 from raytf.errors import PlacementTimeout, SpecError
 from raytf.job import Job
 from raytf.spec import JobSpec
-from raytf.storage import Folder, is_uri, new_staging
+from raytf.storage import STAGING_MARK, Folder, is_uri, new_staging
 from raytf.sweep_report import SweepResult
 
 EXPERIMENT = "tune"  # Tune's experiment folder inside the sweep's output.dir
@@ -572,8 +572,8 @@ def _run_held(prepared: PreparedSweep, display: ProgressDisplay, resume: bool, v
             from raytf.driver.output import ship
 
             ship(out, storage, failing=not finished)
-            if not any(out.iterdir()):
-                out.rmdir()
+            if all(p.name == STAGING_MARK for p in out.iterdir()):  # all shipped: the folder goes
+                shutil.rmtree(out, ignore_errors=True)
 
 
 def _unpack_everywhere(code_env: dict[str, Any], display: ProgressDisplay, timeout_s: float = 120.0) -> None:

@@ -185,6 +185,60 @@ def _spec_error(**sections):
     return info.value
 
 
+CUSTOM_LAYERS = """
+import keras
+
+
+@keras.saving.register_keras_serializable(package="shop")
+class Doubled(keras.layers.Layer):
+    def call(self, x):
+        return x * 2
+
+
+class Unconfigurable(keras.Model):
+    def __init__(self, units):  # no get_config: Keras cannot rebuild it from the file
+        super().__init__()
+        self.dense = keras.layers.Dense(units)
+
+    def call(self, x):
+        return self.dense(x)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_chief_says_what_loading_model_keras_takes_when_a_plain_load_is_not_enough(tmp_path, monkeypatch):
+    """Loaded as a user would before it is announced: a plain model needs nothing said; one with a registered
+    layer names the module to import; a Python lambda needs safe_mode=False; a subclassed model without
+    get_config does not load as written, and the line says why and the fix."""
+    import sys
+
+    from raytf.actor import export
+
+    (tmp_path / "shoplayers.py").write_text(CUSTOM_LAYERS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import shoplayers
+
+    def saved(model, name):
+        folder = tmp_path / name
+        folder.mkdir()
+        model(np.zeros((1, 4), "float32"))
+        model.save(folder / export.KERAS_FILE)
+        return str(folder)
+
+    plain = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    assert export.load_note(saved(plain, "plain")) is None
+    custom = keras.Sequential([keras.Input((4,)), shoplayers.Doubled(), keras.layers.Dense(2)])
+    assert export.load_note(saved(custom, "custom")) == ("model.keras loads with load_model(path) once "
+                                                         "`import shoplayers` has run (it registers the model's "
+                                                         "own classes)")
+    lam = keras.Sequential([keras.Input((4,)), keras.layers.Lambda(lambda x: x + 1), keras.layers.Dense(2)])
+    assert export.load_note(saved(lam, "lambda")).startswith("model.keras loads only with load_model(path, "
+                                                             "safe_mode=False)")
+    said = export.load_note(saved(shoplayers.Unconfigurable(2), "subclassed"))
+    assert said.startswith("model.keras does not load as written (") and "get_config()" in said, said
+    sys.modules.pop("shoplayers", None)
+
+
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
 def test_a_subclassed_model_exports_a_saved_model_that_serves_without_raytf(cluster, job_dir, tmp_path,

@@ -39,6 +39,8 @@ def raytf_cli(*args, cwd, env=None, timeout=90) -> subprocess.CompletedProcess:
     ("gs:///path", "names no bucket or host"),
     ("s3://AKIAKEY:s3cr3t@bucket/runs/m", "carries credentials before '@'"),
     ("s3://s3cr3t@bucket/runs/m", "carries credentials before '@'"),
+    ("s3://AKIAKEY:s3cr3t/with+slash@bucket/runs/m", "carries credentials before '@'"),  # AWS secrets hold '/'
+    ("hdfs://etl@namenode:8020/runs", None),  # a user name, not a secret
     ("s3://bucket/runs/m", None), ("hdfs://namenode:8020/runs", None), ("runs/m", None), ("file:///tmp/x", None),
 ])
 def test_a_storage_uri_without_a_bucket_or_with_credentials_is_refused_without_repeating_them(where, says):

@@ -50,6 +50,61 @@ def write(model: keras.Model, payload, staging_dir: str, plain: bool = False) ->
     return out
 
 
+_LIBRARY_MODULES = ("keras", "tf_keras", "tensorflow", "builtins", "numpy")
+
+
+def load_note(staging_dir: str, legacy: bool = False) -> str | None:
+    """Load model.keras as a user would, and say in one line what that takes when it is more than
+    `load_model(path)`: the modules that register its classes, safe_mode=False for Python code in it, or
+    that it cannot be loaded as written and why. None when a plain load_model works."""
+    import json
+    import zipfile
+
+    path = os.path.join(staging_dir, KERAS_FILE)
+    if not os.path.isfile(path):
+        return None
+    if legacy:  # tf-keras under train.keras: legacy
+        from tf_keras.models import load_model as load
+    else:
+        load = keras.saving.load_model
+    try:
+        load(path)
+    except Exception as exc:  # noqa: BLE001 -- whatever the loader says is what a user would meet
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        if "safe_mode" in str(exc):
+            try:
+                load(path, safe_mode=False)
+                return (f"model.keras loads only with load_model(path, safe_mode=False): it holds Python code "
+                        f"(a lambda or a plain function); trust the file before loading it that way")
+            except Exception:  # noqa: BLE001 -- not even then: said below
+                pass
+        return (f"model.keras does not load as written ({type(exc).__name__}: {first}); give the model's own "
+                f"classes get_config() (and from_config), or register them with "
+                f"@keras.saving.register_keras_serializable()")
+    with zipfile.ZipFile(path) as archive:
+        config = json.loads(archive.read("config.json"))
+    modules = sorted(_custom_modules(config))
+    if modules:
+        return (f"model.keras loads with load_model(path) once {', '.join(f'`import {m}`' for m in modules)} "
+                f"has run (it registers the model's own classes)")
+    return None
+
+
+def _custom_modules(config) -> set[str]:
+    """The modules of the classes in a Keras config that are not Keras's own (a user's layers, models)."""
+    found = set()
+    if isinstance(config, dict):
+        module = config.get("module")
+        if isinstance(module, str) and "class_name" in config and not module.startswith(_LIBRARY_MODULES):
+            found.add(module)
+        for value in config.values():
+            found |= _custom_modules(value)
+    elif isinstance(config, list):
+        for value in config:
+            found |= _custom_modules(value)
+    return found
+
+
 def builder(model, payload) -> Callable[[], keras.Model]:
     """What builds a fresh copy of `model`: the spec's model function, or (a train_fn that builds its own
     model, no `model:` in the spec) a clone from the model's config, Keras 3 or tf.keras as the model is."""

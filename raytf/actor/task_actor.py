@@ -149,6 +149,11 @@ class TaskActor:
             artifacts = _collect(self._staging)
             if self._ctx.is_chief:
                 artifacts.update(workdir.written(self._workdir, prefix=OUTPUTS))
+                if "keras" in outcome.exports:  # loaded here as a user would, before it is announced
+                    from raytf.actor import export
+
+                    outcome = dataclasses.replace(outcome, load_note=export.load_note(
+                        self._staging, legacy=payload.spec.train.keras == "legacy"))
             return dataclasses.replace(outcome, rank=self._ctx.rank, started_at=started, finished_at=time.time(),
                                        first_step_at=self._channel.first_step_at, artifacts=artifacts)
         finally:  # the task's files on this node (data.cache: disk may be gigabytes), also when training failed

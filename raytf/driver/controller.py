@@ -564,12 +564,15 @@ class Controller:
         result.stragglers = stragglers.find([e for e in result.tasks if "timed_steps" in e], train_s, synchronous)
         result.exports = {fmt: self.job.output_location(rel) for fmt, rel in chief.exports.items()}
         result.model_path = result.exports.get("keras")
+        result.model_load = chief.load_note
         tb_written = (self.job.output_dir / "tensorboard").exists()
         result.tensorboard_dir = self.job.output_location("tensorboard") if tb_written else None
         self._write()
         self.display.message(summary_table(result.history))
         for hint in _train_fn_hints(spec, result):
             self.display.message(hint)
+        if result.model_load:
+            self.display.message(f"raytf: {result.model_load}")
         if any(t.get("timed_steps") for t in result.tasks):
             self.display.message(worker_lines(result.tasks))
         for slow in result.stragglers:

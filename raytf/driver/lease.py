@@ -12,6 +12,7 @@ back; of two that wrote within that moment the last writer holds it and the othe
 """
 from __future__ import annotations
 
+import copy
 import os
 import socket
 import threading
@@ -20,10 +21,13 @@ import uuid
 from typing import Any, Callable
 
 from raytf.errors import RaytfError, SpecError
-from raytf.storage import Folder
+from raytf.storage import TIMEOUT_S, Folder
 
 LEASE = ".raytf-lease.json"
-TTL_S = 60.0  # a holder that stops renewing (killed, cut off) frees the run after this long
+# A holder that stops renewing (killed, cut off) frees the run after this long; a renewal (a read and a write,
+# each under the storage deadline) fits in a third of it several times over.
+TTL_S = max(60.0, 6 * TIMEOUT_S)
+RELEASE_S = 5.0  # the release at the end, whatever ended the run: a stalled store does not hold the exit
 SETTLE_S = 1.0  # between writing a lease and reading it back: a racing writer's lease shows by then
 
 
@@ -50,7 +54,7 @@ def blocker(found: Any, host: str, now: float, pid_alive: Callable[[int], bool])
             f"{time.strftime('%H:%M:%S', time.localtime(expires))}")
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -76,7 +80,7 @@ class Lease:
         """Take the run's lease, or LeaseHeld naming the holder. Renewed in the background until released."""
         host = socket.gethostname()
         found = folder.read_json(LEASE)
-        held_by = blocker(found, host, time.time(), _pid_alive)
+        held_by = blocker(found, host, time.time(), pid_alive)
         if held_by:
             raise LeaseHeld(_refusal(folder, held_by))
         record = {"owner": uuid.uuid4().hex, "name": name, "host": host, "pid": os.getpid(),
@@ -86,15 +90,18 @@ class Lease:
         time.sleep(settle_s)
         back = folder.read_json(LEASE)
         if not isinstance(back, dict) or back.get("owner") != record["owner"]:
-            raise LeaseHeld(_refusal(folder, blocker(back, host, time.time(), _pid_alive) or "a driver that "
+            raise LeaseHeld(_refusal(folder, blocker(back, host, time.time(), pid_alive) or "a driver that "
                                      "started at the same moment"))
         lease = cls(folder, found, record, ttl_s)
         lease._thread.start()
         return lease
 
     def note(self, **fields: Any) -> None:
-        """Record something in the lease at once (e.g. this attempt's staging folder)."""
+        """Record something in the lease at once (e.g. this attempt's staging folder); LeaseLost if another
+        driver took the run over meanwhile (its record is never written over)."""
         with self._lock:
+            if not self.holds():
+                raise LeaseLost(f"output.dir {self.folder.where} was taken over by another run ({self.lost})")
             self.record.update(fields)
             self.folder.write_json(LEASE, self.record)
 
@@ -114,12 +121,15 @@ class Lease:
         self._stop.set()
         if self.lost:
             return
+        quick = copy.copy(self.folder)  # a store that stalled the run's end must not hold its exit long
+        quick.timeout_s = min(self.folder.timeout_s, RELEASE_S)
         with self._lock:
             self.record.update(left, released=True, expires=time.time())
             try:
-                if self.holds():
-                    self.folder.write_json(LEASE, self.record)
-            except Exception:  # noqa: BLE001 -- it expires by itself; the run's own end is what gets reported
+                found = quick.read_json(LEASE)
+                if isinstance(found, dict) and found.get("owner") == self.record["owner"]:
+                    quick.write_json(LEASE, self.record)
+            except BaseException:  # noqa: BLE001 -- it lapses by itself; the run's own end is what gets reported
                 pass
 
     def _renew_loop(self) -> None:

@@ -124,7 +124,7 @@ def claim(job: Job, resume: bool = False, lease: "Lease | None" = None) -> Itera
             raise
         _finish(staging, remote, lease)
     finally:
-        if not any(p.name != STAGING_MARK for p in staging.iterdir()):  # shipped (or nothing written): gone
+        if not _holds_results(staging):  # shipped (or nothing written): gone
             shutil.rmtree(staging, ignore_errors=True)
 
 
@@ -157,7 +157,11 @@ def _locked(job: Job) -> Iterator[Path]:
 def _finish(staging: Path, remote: Folder, lease: "Lease | None", failing: bool = False) -> None:
     """Ship the staged results, unless another driver took the run over meanwhile (then only the lease holder
     writes result.json: this run's results stay in the staging folder, and the terminal says where)."""
-    if lease is not None and not lease.holds():
+    try:
+        taken = lease is not None and not lease.holds()
+    except Exception:  # noqa: BLE001 -- the store is away: ship says so, and where the files are
+        taken = False
+    if taken:
         said = (f"output.dir {remote.where} was taken over by another run ({lease.lost}) while this one went on; "
                 f"its results are kept in {staging}")
         if failing:
@@ -165,8 +169,13 @@ def _finish(staging: Path, remote: Folder, lease: "Lease | None", failing: bool 
             return
         raise LeaseLost(said)
     ship(staging, remote, failing=failing)
-    if lease is not None:
-        lease.note(staging=None, token=None)
+    if lease is not None and not _holds_results(staging):  # all shipped: nothing for a later run to find
+        with contextlib.suppress(Exception):
+            lease.note(staging=None, token=None)
+
+
+def _holds_results(staging: Path) -> bool:
+    return any(p.name != STAGING_MARK for p in staging.iterdir())
 
 
 def ship(staging: Path, remote: Folder, failing: bool = False) -> list[str]:
@@ -223,14 +232,21 @@ def _say_unshipped(staging: Path, remote: Folder, status: str, said: str, timeou
 def ship_leftover(remote: Folder, lease: "Lease") -> str | None:
     """Results an earlier attempt on this machine staged and never got up (killed, or its store away), found
     by the lease it left (never by a guessable path): shipped now, then that folder goes. Returns a line to say."""
+    from raytf.driver.lease import pid_alive
+
     previous = lease.previous
     if not isinstance(previous, dict) or previous.get("host") != socket.gethostname():
+        return None
+    pid = previous.get("pid")
+    if not previous.get("released") and isinstance(pid, int) and pid_alive(pid):  # lapsed, but still writing there
         return None
     folder = own_staging(previous.get("staging"), previous.get("token"))
     if folder is None:
         return None
+    lease.note(staging=previous["staging"], token=previous["token"])  # if this ship fails, the next run finds them
     copied = ship(folder, remote)
     shutil.rmtree(folder, ignore_errors=True)
+    lease.note(staging=None, token=None)
     return (f"raytf: shipped {len(copied)} file(s) an earlier attempt left in {folder} to output.dir {remote.where}"
             if copied else None)
 

@@ -25,6 +25,7 @@ class Result:
     history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     examples_per_s: float | None = None
     model_path: str | None = None  # model.keras (output.export: keras)
+    model_load: str | None = None  # what loading model.keras takes, when more than load_model(path)
     exports: dict[str, str] = dataclasses.field(default_factory=dict)  # format -> path, e.g. saved_model
     # workers whose input wait (or, under parameter servers, step time) stands out, and what they cost
     stragglers: list[dict[str, Any]] = dataclasses.field(default_factory=list)
