@@ -195,10 +195,10 @@ class Doubled(keras.layers.Layer):
         return x * 2
 
 
-class Unconfigurable(keras.Model):
-    def __init__(self, units):  # no get_config: Keras cannot rebuild it from the file
-        super().__init__()
-        self.dense = keras.layers.Dense(units)
+class Unregistered(keras.Model):  # not registered: a loader cannot find the class the file names
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(2)
 
     def call(self, x):
         return self.dense(x)
@@ -208,8 +208,8 @@ class Unconfigurable(keras.Model):
 @pytest.mark.timeout(120)
 def test_the_chief_says_what_loading_model_keras_takes_when_a_plain_load_is_not_enough(tmp_path, monkeypatch):
     """Loaded as a user would before it is announced: a plain model needs nothing said; one with a registered
-    layer names the module to import; a Python lambda needs safe_mode=False; a subclassed model without
-    get_config does not load as written, and the line says why and the fix."""
+    layer names the module to import; a Python lambda needs safe_mode=False; a subclassed model whose class is
+    not registered does not load as written, and the line says why and the fix."""
     import sys
 
     from raytf.actor import export
@@ -234,7 +234,7 @@ def test_the_chief_says_what_loading_model_keras_takes_when_a_plain_load_is_not_
     lam = keras.Sequential([keras.Input((4,)), keras.layers.Lambda(lambda x: x + 1), keras.layers.Dense(2)])
     assert export.load_note(saved(lam, "lambda")).startswith("model.keras loads only with load_model(path, "
                                                              "safe_mode=False)")
-    said = export.load_note(saved(shoplayers.Unconfigurable(2), "subclassed"))
+    said = export.load_note(saved(shoplayers.Unregistered(), "subclassed"))
     assert said.startswith("model.keras does not load as written (") and "get_config()" in said, said
     sys.modules.pop("shoplayers", None)
 
