@@ -682,8 +682,8 @@ def train(ctx):
 @pytest.mark.timeout(400)
 def test_a_sweep_of_a_tf_keras_train_fn_saves_every_trial_hears_its_epochs_in_order_and_fails_for_a_failed_trial(
         job_dir):
-    """Three trials of a tf.keras train_fn that counts its own 3 epochs and saves on every worker (tf-keras's
-    save is a collective): its processes are not reused (a reused group hung in that save), both good trials are
+    """Two trials of a tf.keras train_fn that counts its own 3 epochs and saves on every worker (tf-keras's
+    save is a collective): its processes are not reused (a reused group hung in that save), the good trial is
     exported with what the script's own TensorBoard and ModelCheckpoint callbacks wrote (outputs/) and raytf's
     epoch events, Tune hears epochs 1, 2, 3 in that order (not 2, 3, 1: the spec's train.epochs is 1), and the
     trial that raises makes `raytf tune` exit 1 with one line naming it, without Tune's traceback. The console
@@ -696,17 +696,18 @@ def test_a_sweep_of_a_tf_keras_train_fn_saves_every_trial_hears_its_epochs_in_or
     spec = base_spec(model="legacy_fn:build_model", train_fn="legacy_fn:train",
                      cluster={"workers": 2, "cpus_per_worker": 0.5})
     spec["train"] = {"global_batch_size": 64, "seed": 0, "keras": "legacy"}
-    spec["tune"] = {"metric": "loss", "mode": "min",
-                    "space": {"optimizer.learning_rate": {"grid": [0.003, 0.01, 0.5]}}}
+    spec["tune"] = {"metric": "loss", "mode": "min", "space": {"optimizer.learning_rate": {"grid": [0.01, 0.5]}}}
     path = write_job(job_dir, spec, "sweep.yaml")
+    alone = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own embedded Ray, as a user's
     proc = subprocess.run([str(Path(sys.executable).parent / "raytf"), "tune", path.name], capture_output=True,
-                          text=True, timeout=380, cwd=job_dir)
+                          text=True, timeout=380, cwd=job_dir, env=alone)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "each trial starts new processes: a train_fn's own collectives" in proc.stderr
     failed = [line for line in proc.stderr.splitlines() if line.startswith("raytf: error: trial ")]
-    assert len(failed) == 1 and failed[0].startswith("raytf: error: trial p02 failed: ") and "too high" in failed[0]
+    assert len(failed) == 1 and failed[0].startswith("raytf: error: trial p01 failed: ") and "too high" in failed[0], \
+        proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "tune_controller" not in proc.stderr
-    for point in ("p00", "p01"):
+    for point in ("p00",):
         told = [int(row["epoch"]) for row in tune_progress(job_dir, point)]
         assert told == [1, 2, 3], (point, told)
         said = [line for line in proc.stderr.splitlines() if line.startswith(f"raytf: {point} epoch ")]
@@ -719,5 +720,4 @@ def test_a_sweep_of_a_tf_keras_train_fn_saves_every_trial_hears_its_epochs_in_or
         assert (trial / "outputs" / "best.keras").is_file() and list((trial / "outputs" / "logs").rglob("events.out*"))
         assert list((trial / "tensorboard").glob("events.out*"))
     rows = {r["point"]: r for r in json.loads((job_dir / "runs" / "t" / "sweep.json").read_text())["rows"]}
-    assert [rows[p]["status"] for p in ("p00", "p01", "p02")] == ["completed", "completed", "error"]
-    assert [rows[p]["epochs"] for p in ("p00", "p01")] == [3, 3]
+    assert [rows[p]["status"] for p in ("p00", "p01")] == ["completed", "error"] and rows["p00"]["epochs"] == 3

@@ -81,8 +81,11 @@ def load_note(staging_dir: str, legacy: bool = False) -> str | None:
         return (f"model.keras does not load as written ({type(exc).__name__}: {first}); give the model's own "
                 f"classes get_config() (and from_config), or register them with "
                 f"@keras.saving.register_keras_serializable()")
-    with zipfile.ZipFile(path) as archive:
-        config = json.loads(archive.read("config.json"))
+    try:  # Keras 3's .keras is a zip with config.json; tf-keras may have written another format under the name
+        with zipfile.ZipFile(path) as archive:
+            config = json.loads(archive.read("config.json"))
+    except (zipfile.BadZipFile, KeyError, ValueError):
+        return None
     modules = sorted(_custom_modules(config))
     if modules:
         return (f"model.keras loads with load_model(path) once {', '.join(f'`import {m}`' for m in modules)} "
