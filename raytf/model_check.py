@@ -58,6 +58,14 @@ def model_output_shape(spec, job_dir: Path, build) -> tuple | None:
     if not isinstance(model, keras.Model):
         raise SpecError(f"model: {spec.model} returned {clip(repr(model), 100)}, not a Keras model; return e.g. "
                         f"keras.Sequential([...])")
+    if "keras" in spec.output.export:  # found now, not after every epoch has trained (the save comes last)
+        try:
+            keras.saving.serialize_keras_object(model)
+        except (NotImplementedError, TypeError, ValueError) as exc:
+            raise SpecError(f"output.export: keras: the model from {spec.model} cannot be saved as model.keras "
+                            f"({type(exc).__name__}: {clip(raised.summary(str(exc)))}); give "
+                            f"{type(model).__name__} a get_config() returning its __init__ arguments, or export only "
+                            f"a SavedModel (output.export: [saved_model])") from None
     try:
         output = model.output_shape
     except (AttributeError, ValueError):  # a subclassed model not built yet: checked at the first step

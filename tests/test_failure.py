@@ -127,3 +127,15 @@ def test_a_known_cause_gets_its_fix_in_the_first_line_and_small_numbers_keep_the
     assert said.startswith("'ShardedVariable' object has no attribute 'handle' (Keras 3 optimizers cannot update")
     assert "train.keras: legacy" in said and with_fix("some other error") == "some other error"
     assert fmt(1e-05) == "1.00e-05" and fmt(0.25) == "0.2500" and fmt(0.0) == "0.0000"
+
+
+def test_a_sentence_keras_wraps_over_lines_is_kept_whole_in_the_one_line_error():
+    from raytf.actor.raised import summary
+
+    wrapped = ("Object RecommenderNet was created by passing\nnon-serializable argument values in `__init__()`,\n"
+               "and therefore the object must override `get_config()` in\norder to be serializable. Please implement "
+               "`get_config()`.\n\nExample:\n")
+    assert summary(wrapped).endswith("must override `get_config()` in order to be serializable. Please implement "
+                                     "`get_config()`.")
+    assert summary("bad shape (2, 3)\nValueError: more") == "bad shape (2, 3)"
+    assert summary("one line\nAnother sentence") == "one line"

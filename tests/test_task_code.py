@@ -180,3 +180,38 @@ def test_a_task_imports_tensorflow_without_scikit_learn_which_then_imports_as_us
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split("\n")[-2] == "True 2.0", proc.stdout
+
+
+UNSAVABLE = textwrap.dedent('''
+    import keras
+
+
+    class RecommenderNet(keras.Model):  # keras-io's collaborative filtering model: arguments, no get_config
+        def __init__(self, num_users, embedding_size, **kwargs):
+            super().__init__(**kwargs)
+            self.users = keras.layers.Embedding(num_users, embedding_size)
+            self.out = keras.layers.Dense(10)
+
+        def call(self, x):
+            return self.out(keras.ops.mean(self.users(keras.ops.cast(x, "int32")), axis=1))
+
+
+    def build():
+        return RecommenderNet(num_users=64, embedding_size=4)
+''')
+
+
+@pytest.mark.timeout(120)
+def test_a_model_that_cannot_be_saved_as_model_keras_is_found_before_it_trains(job_dir):
+    """keras-io's collaborative filtering model trained every epoch and then failed in model.save: it is found when
+    the driver builds the model, naming the fix; exporting only a SavedModel needs no get_config."""
+    from raytf.job import load
+    from tests.conftest import write_job
+
+    (job_dir / "unsavable.py").write_text(UNSAVABLE)
+    path = write_job(job_dir, base_spec(model="unsavable:build"))
+    with pytest.raises(SpecError, match=r"output.export: keras: the model from unsavable:build cannot be saved as "
+                                        r"model.keras \(NotImplementedError: .*get_config\(\).*\); give RecommenderNet "
+                                        r"a get_config\(\) returning its __init__ arguments, or export only a SavedModel"):
+        load(path)
+    load(write_job(job_dir, base_spec(model="unsavable:build", output={"export": ["saved_model"]})))

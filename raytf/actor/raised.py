@@ -100,4 +100,16 @@ def summary(message: str, limit: int = 500) -> str:
         plain = [line for line in lines if not line.startswith(_TF_PREAMBLE) and not line.endswith(":")]
         raised = [line for line in plain if _RAISED.match(line)]  # "ValueError: ...", where TF kept one
         return (raised[-1] if raised else plain[-1] if plain else lines[-1])[:limit]
-    return lines[0][:limit]
+    return _first_sentence(lines)[:limit]
+
+
+def _first_sentence(lines: list[str]) -> str:
+    """The first line, joined with the lines it runs on into (Keras wraps its sentences: "Object X was created
+    by passing" / "non-serializable argument values ..., and therefore the object must override get_config()")."""
+    said = lines[0]
+    for line in lines[1:4]:
+        ends_open = said[-1:].isalnum() or said.endswith((",", "`"))
+        if not ends_open or not line[:1].islower():  # a sentence ended, or the next line is not its rest
+            break
+        said = f"{said} {line}"
+    return said
