@@ -81,14 +81,15 @@ def test_a_hang_is_caught_at_hang_timeout_s(tmp_path):
 
 def test_a_rank_that_says_no_steps_is_alive_while_it_computes_and_hung_once_it_stops(tmp_path):
     # A train_fn's tf.keras fit reports nothing until its epoch ends: an epoch of 3x hang_timeout_s succeeds.
-    job = make_job(tmp_path, failure={"hang_timeout_s": 8, "max_restarts": 1})
+    job = make_job(tmp_path, train_fn="own:train", failure={"hang_timeout_s": 8, "max_restarts": 1})
     fit = lambda attempt, task: Script(finish_after=24.0, says_steps=False, cpu_share=0.7)  # noqa: E731
     result = run_fast(make(tmp_path, fit, job)[0])
     assert result.status == "succeeded" and result.restarts == []
     # The same rank asleep (or blocked on a peer) uses next to no CPU: caught, as a rank that stops stepping is.
     asleep = lambda attempt, task: Script(finish_after=24.0, says_steps=False,  # noqa: E731
                                           cpu_share=0.7 if attempt > 1 or task.rank == 0 else 0.005)
-    c, world, clock = make(tmp_path, asleep, make_job(tmp_path, failure={"hang_timeout_s": 8, "max_restarts": 1}))
+    c, world, clock = make(tmp_path, asleep, make_job(tmp_path, train_fn="own:train",
+                                                      failure={"hang_timeout_s": 8, "max_restarts": 1}))
     result = run_fast(c)
     assert result.status == "succeeded" and [r["kind"] for r in result.restarts] == ["hang"]
     assert result.restarts[0]["ranks"] == [1]
@@ -97,15 +98,33 @@ def test_a_rank_that_says_no_steps_is_alive_while_it_computes_and_hung_once_it_s
     # Stuck after computing for a while: caught within hang_timeout_s of its last busy window.
     stuck = lambda attempt, task: Script(finish_after=60.0, says_steps=False,  # noqa: E731
                                          hang_after=10.0 if attempt == 1 and task.rank == 1 else None)
-    c, world, clock = make(tmp_path, stuck, make_job(tmp_path, failure={"hang_timeout_s": 8, "max_restarts": 1}))
+    c, world, clock = make(tmp_path, stuck, make_job(tmp_path, train_fn="own:train",
+                                                     failure={"hang_timeout_s": 8, "max_restarts": 1}))
     result = run_fast(c)
     detected_after = result.restarts[0]["time"] - (world.groups[0].handles[1].started + 10.0)
     assert [r["kind"] for r in result.restarts] == ["hang"] and 8 <= detected_after <= 8 + 4 + 2, detected_after
     # A parameter-server chief waiting in coordinator.join(): idle, but its workers finish what it scheduled.
     joins = lambda attempt, task: Script(finish_after=24.0, says_steps=False, cpu_share=0.005,  # noqa: E731
                                          work_per_s=2.0)
-    result = run_fast(make(tmp_path, joins, make_job(tmp_path, failure={"hang_timeout_s": 8}))[0])
+    result = run_fast(make(tmp_path, joins, make_job(tmp_path, train_fn="own:train",
+                                                     failure={"hang_timeout_s": 8}))[0])
     assert result.status == "succeeded" and result.restarts == []
+
+
+def test_raytfs_loop_busy_before_its_first_step_is_declared_hung(tmp_path):
+    # A data.preprocess that never returns (a FeatureSpace adapted on its first call) computes and says no step.
+    # raytf's loop says every step, so CPU use before the first one is no sign of life; the first step may take
+    # Limits.first_step_s (its trace), or hang_timeout_s where that is longer. A train_fn's CPU counts (above).
+    busy = lambda attempt, task: Script(finish_after=200.0 if attempt == 1 else 5.0,  # noqa: E731
+                                        says_steps=attempt > 1, cpu_share=0.9)
+    for hang_timeout_s, caught_after in ((8, Limits().first_step_s), (90, 90)):
+        c, world, clock = make(tmp_path, busy, make_job(tmp_path, failure={"hang_timeout_s": hang_timeout_s,
+                                                                           "max_restarts": 1}))
+        result = run_fast(c)
+        assert result.status == "succeeded" and [r["kind"] for r in result.restarts] == ["hang"]
+        assert "no first step from rank(s) [0, 1]" in result.restarts[0]["reason"], result.restarts[0]["reason"]
+        detected_after = result.restarts[0]["time"] - world.groups[0].handles[0].started
+        assert caught_after <= detected_after <= caught_after + 2 * Limits().poll_interval_s, detected_after
 
 
 def test_a_failed_job_keeps_its_epochs_tasks_restarts_and_the_traceback(tmp_path):

@@ -383,21 +383,33 @@ class Controller:
         now = self.clock.now()
         hang_timeout_s = self.spec.failure.hang_timeout_s
         if a.training_done_at is None:
+            first_from = a.payload.resume_from.step if a.payload.resume_from else 0
+            before_first = {rank for rank in a.progress_seen  # raytf's loop, still before its first step
+                            if self._says_steps and progress[rank] is not None and progress[rank].global_step <= first_from}
             for rank in a.progress_seen:
                 p = progress[rank]
                 if p is not None and rank not in a.outcomes:
                     marker = (p.phase, p.global_step, p.work_done)
-                    a.progress_seen[rank] = heard(a.progress_seen[rank], marker, p.cpu_s, now, hang_timeout_s,
+                    cpu_s = None if rank in before_first else p.cpu_s
+                    a.progress_seen[rank] = heard(a.progress_seen[rank], marker, cpu_s, now, hang_timeout_s,
                                                   self.limits)
             a.last_step = max([a.last_step] + [p.global_step for p in progress if p])
             drained = a.drains.poll(a.group, a.tasks, sorted(a.progress_seen), progress, a.last_step, now)
             if drained is not None:  # the attempt ends for a draining node
                 return self._attempt_failed(drained, a.drains.node_ips)
-            hung = stalled({r: seen.at for r, seen in a.progress_seen.items() if r not in a.outcomes}, now,
-                           hang_timeout_s)
-            if hung:
+            watched = {r: seen.at for r, seen in a.progress_seen.items() if r not in a.outcomes}
+            hung = sorted(stalled({r: at for r, at in watched.items() if r not in before_first}, now, hang_timeout_s)
+                          + stalled({r: at for r, at in watched.items() if r in before_first}, now,
+                                    max(hang_timeout_s, self.limits.first_step_s)))
+            if hung and set(hung) <= before_first:
+                message = (f"training hung: no first step from {self.backend.who(hung)} for "
+                           f"{max(hang_timeout_s, self.limits.first_step_s):g}s, computing or not (a data.preprocess "
+                           f"or input that never returns; failure.hang_timeout_s, at least "
+                           f"{self.limits.first_step_s:g}s for the first step)")
+            elif hung:
                 message = (f"training hung: no progress from {self.backend.who(hung)} for {hang_timeout_s:g}s "
                            f"(failure.hang_timeout_s)")
+            if hung:
                 return self._attempt_failed(Failure("hang", message, tuple(hung), {message: hung}),
                                             sorted({a.tasks[r].node_ip for r in hung}))
             chief = progress[0]
@@ -416,6 +428,11 @@ class Controller:
                 a.outcomes[task.rank] = Outcome(evaluations=list(final))
                 a.awaited.remove(handle)
             return self._finish()
+
+    @property
+    def _says_steps(self) -> bool:
+        """Whether every watched rank says each optimizer step: raytf's own loop under a synchronous strategy."""
+        return self.spec.train_fn is None and self.backend.synchronous_steps
 
     def _returned(self, finished: Finished, with_it: list[Finished]) -> bool:
         """A task's train call returned (`with_it`: the others that returned in the same poll); True when

@@ -34,6 +34,10 @@ class Limits:
     # Training uses most of its cores; a task stuck in a collective or asleep uses ~0.01 (measured).
     busy_cpu_share: float = 0.1
     busy_window_s: float = 5.0
+    # raytf's own loop says every step: before its first one CPU use is no sign of life (a preprocess that never
+    # returns computes too), and the first step (its trace, its compilation) may take this long, or
+    # hang_timeout_s where that is longer.
+    first_step_s: float = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
