@@ -189,7 +189,7 @@ class Folder:
             raise
         except Exception as exc:  # an unknown scheme, a malformed URI, a missing library, a bucket not found
             exc = exc.cause if isinstance(exc, StorageError) else exc
-            raise SpecError(f"{what} {shown(self.where)}: pyarrow cannot open it ({_first_line(exc)}); give a local path "
+            raise SpecError(f"{what} {shown(self.where)}: pyarrow cannot open it ({first_line(exc)}); give a local path "
                             f"or a URI pyarrow.fs knows (s3://bucket/path, gs://bucket/path, hdfs://host/path)") from None
 
     def _call(self, call: Callable[[], T], doing: str = "") -> T:
@@ -201,7 +201,7 @@ class Folder:
         try:
             return within(self.timeout_s, what, call)
         except OSError as exc:  # pyarrow's: one line, not a traceback from deep inside it
-            raise StorageError(f"{what}: {_first_line(exc)}; check the endpoint, the credentials and that the "
+            raise StorageError(f"{what}: {first_line(exc)}; check the endpoint, the credentials and that the "
                                f"bucket exists", exc) from None
 
     @property
@@ -225,7 +225,7 @@ class Folder:
         except Exception as exc:
             hint = ("check the endpoint (AWS_ENDPOINT_URL), the credentials and that the bucket exists and is "
                     "writable" if self.remote else "give a folder you can write")
-            raise SpecError(f"{self.what} {self.where} cannot be written ({_first_line(exc)}); {hint}") from None
+            raise SpecError(f"{self.what} {self.where} cannot be written ({first_line(exc)}); {hint}") from None
 
     def _check_endpoint(self, timeout_s: float = 5.0) -> None:
         """An s3:// folder behind an endpoint that does not answer: said at once (the S3 client retries for
@@ -359,6 +359,7 @@ class Folder:
 _ABANDONED: list = []  # streams of abandoned uploads, kept referenced so that no destructor completes them
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """An error's first line (at most 300 characters), for a one-line message."""
     text = str(exc).strip().splitlines()
     return (text[0] if text else type(exc).__name__)[:300]

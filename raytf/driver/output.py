@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Iterator
 from raytf.errors import RaytfError, SpecError, clip
 from raytf.job import Job
 from raytf.driver.lease import LeaseLost
-from raytf.storage import STAGING_MARK, Folder, is_uri, new_staging, own_staging
+from raytf.storage import STAGING_MARK, Folder, first_line, is_uri, new_staging, own_staging
 
 if TYPE_CHECKING:
     from raytf.driver.lease import Lease
@@ -189,7 +189,7 @@ def ship(staging: Path, remote: Folder, failing: bool = False) -> list[str]:
         copied = remote.upload(staging, skip=(LOCK, OUTPUT_MARKER, STAGING_MARK), last=("result.json",))
     except BaseException as exc:
         interrupted = isinstance(exc, KeyboardInterrupt)
-        why = "interrupted" if interrupted else _first_line(exc)
+        why = "interrupted" if interrupted else first_line(exc)
         said = (f"the run's results could not all be written to output.dir {remote.where} ({why}); they are kept "
                 f"in {staging} on {socket.gethostname()} (the next run into this output.dir on this machine ships "
                 f"them)")
@@ -249,11 +249,6 @@ def ship_leftover(remote: Folder, lease: "Lease") -> str | None:
     lease.note(staging=None, token=None)
     return (f"raytf: shipped {len(copied)} file(s) an earlier attempt left in {folder} to output.dir {remote.where}"
             if copied else None)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return (text[0] if text else type(exc).__name__)[:300]
 
 
 def _empty(folder: Path) -> None:
