@@ -90,7 +90,8 @@ def consume(dataset, batches: int) -> float:
 
 
 def raytf_pipeline(folder: Path, batches: int) -> float:
-    from raytf import data
+    from raytf import data, data_scan
+    from raytf.actor import pipelines
     from raytf.protocol import WorkerPayload
     from raytf.actor.examples import Examples
     from raytf.job import parse
@@ -99,11 +100,11 @@ def raytf_pipeline(folder: Path, batches: int) -> float:
                   "data": {"train": str(folder / "images.parquet"), "features": ["image"], "label": "label",
                            "decode": {"column": "image", "format": "jpeg", "channels": 3},
                            "preprocess": "bench_augment:augment"}})
-    info = data.read_info(str(folder / "images.parquet"), ["image"], "label")
+    info = data_scan.read_info(str(folder / "images.parquet"), ["image"], "label")
     payload = WorkerPayload(spec, train_data=info, train_root=info.root)
     shard = data.plan_shards([p.num_rows for p in info.pieces], 1)[0]
-    ds = data.train_dataset(info, info.root, shard, BATCH, info.num_rows // BATCH, SHUFFLE, seed=0,
-                            examples=Examples(payload, info, training=True))
+    ds = pipelines.train_dataset(info, info.root, shard, BATCH, info.num_rows // BATCH, SHUFFLE, seed=0,
+                                 examples=Examples(payload, info, training=True))
     return consume(ds, batches)
 
 

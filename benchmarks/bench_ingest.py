@@ -79,12 +79,13 @@ def ceiling(folder: Path, features: list[str], vector: bool) -> float:
 
 
 def raytf_pipeline(folder: Path, features: list[str], shuffle_buffer: int) -> float:
-    from raytf import data
+    from raytf import data, data_scan
+    from raytf.actor import pipelines
 
-    info = data.read_info(str(folder), features, "label")
+    info = data_scan.read_info(str(folder), features, "label")
     shard = data.plan_shards([p.num_rows for p in info.pieces], 1)[0]
     steps = info.num_rows // BATCH
-    ds = data.train_dataset(info, str(folder), shard, BATCH, steps, shuffle_buffer, seed=0).take(steps)
+    ds = pipelines.train_dataset(info, str(folder), shard, BATCH, steps, shuffle_buffer, seed=0).take(steps)
     rows, seconds = consume(ds)
     return rows / seconds
 
@@ -115,17 +116,18 @@ def ray_data_iter_tf_batches(folder: Path, features: list[str]) -> float:
 PEAK_SCRIPT = """
 import json, sys, threading, time
 import tensorflow as tf
-from raytf import data
+from raytf import data, data_scan
+from raytf.actor import pipelines
 
 def rss_mib():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096 / 2**20
 
 folder, shuffle_buffer = sys.argv[1], int(sys.argv[2])
-info = data.read_info(folder, ["x%d" % j for j in range(16)], "label")
+info = data_scan.read_info(folder, ["x%d" % j for j in range(16)], "label")
 shard = data.plan_shards([p.num_rows for p in info.pieces], 1)[0]
 steps = info.num_rows // 256
-it = iter(data.train_dataset(info, folder, shard, 256, steps, shuffle_buffer, seed=0).take(steps))
+it = iter(pipelines.train_dataset(info, folder, shard, 256, steps, shuffle_buffer, seed=0).take(steps))
 next(it)  # pipeline built and running
 baseline, peak, done = rss_mib(), [0.0], []
 def sample():

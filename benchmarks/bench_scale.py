@@ -21,7 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from raytf import backends, sweep  # noqa: E402
+from raytf import backends, sweep_capacity  # noqa: E402
 from raytf.driver import placement  # noqa: E402
 from raytf.rendezvous import ActorLocation, tf_config, tf_configs  # noqa: E402
 from raytf.job import Job, parse  # noqa: E402
@@ -90,7 +90,7 @@ def admission_rows(spec, nodes: int, gpus: int, reps: int) -> list[tuple[str, fl
                               reps)
     quarter = backend.bundles(backend.with_workers(spec, spec.cluster.workers // 4)) if spec.strategy == "mirrored" \
         else bundles[: len(bundles) // 4]
-    fit_ms, fit = timed(lambda: sweep.auto_concurrency(cluster_nodes, [(quarter, "PACK")], 16), reps)
+    fit_ms, fit = timed(lambda: sweep_capacity.auto_concurrency(cluster_nodes, [(quarter, "PACK")], 16), reps)
     assert "It lacks CPU" in message and fit == 4, (message, fit)
     return [("placement-shortage message (8 bundles too many)", short_ms, f"{len(message)} characters"),
             ("sweep admission: trials of a quarter of the cluster", fit_ms, f"{fit} at once")]

@@ -67,7 +67,8 @@ def fit(spec_or_path: "str | Mapping[str, Any] | JobSpec | Job", overrides: Mapp
 
 
 def _fit_held(spec_or_path, merged, shape: Job, storage, held, address, display, verbose) -> Result:
-    """fit, once output.dir is this driver's (its lease taken, for a URI)."""
+    """fit, once output.dir is this driver's (its lease taken, for a URI). The job file is read once: the shape
+    loaded above is completed here (its data read, its code imported)."""
     from raytf import job as job_lib
     from raytf.driver import attempts, packaging, quiet
 
@@ -79,7 +80,7 @@ def _fit_held(spec_or_path, merged, shape: Job, storage, held, address, display,
                         f"train it again)")
         return Result.from_dict(previous)
     with quiet.native_noise_filtered(quiet.hide_native_noise(verbose)):
-        job = job_lib.load(spec_or_path, merged, check_storage=False)  # probed just above
+        job = job_lib.complete(shape)
     left_out = packaging.check_job_folder(job)
     if left_out:
         display.message(left_out)
@@ -87,51 +88,11 @@ def _fit_held(spec_or_path, merged, shape: Job, storage, held, address, display,
 
     tracking.check_server(job)  # a tracking server that is not there is said before Ray starts
 
-    from raytf.driver import controller, output  # Ray: only once the spec is known to be good
-    from raytf.driver.session import cluster_identity, ray_session
+    from raytf.driver import run  # Ray: only once the spec is known to be good
+    from raytf.driver.session import ray_session
 
-    from raytf.checkpoint import Storage, resume_note
-
-    note = resume_note(job.checkpoint_dir, mode)  # --resume and checkpoint.dir agree, before anything starts
-    if note:
-        display.message(note)
-    with output.claim(job, bool(mode), held) as job, ray_session(address, verbose) as logs_hint:
-        if logs_hint:
-            display.message(logs_hint)
-        latest = Storage(job.checkpoint_dir).latest() if mode and job.checkpoint_dir else None
-        tries = attempts.carried(previous, job.spec.name)
-        tries.append(attempts.begin(len(tries) + 1, cluster_identity(), latest.step if latest else None))
-        # The run's state is in its storage from its start: a driver that never gets to write its end
-        # (killed, its cluster gone) leaves "running" behind, and the next attempt says it was lost.
-        running = Result(name=job.spec.name, strategy=job.spec.strategy, status="running",
-                         output_dir=job.output_where, attempts=tries, history=list(latest.history) if latest else [])
-        storage.write_bytes("result.json", running.json_text().encode())
-        try:
-            return controller.run(job, display=display, resume=bool(mode), verbose=verbose, attempts=tries)
-        except BaseException as exc:
-            _close_unfinished(job, running, exc)
-            raise
-
-
-def _close_unfinished(job: Job, running: Result, exc: BaseException) -> None:
-    """A run that failed before its controller wrote result.json (the job folder's upload, a controller that
-    never started) ends failed or interrupted, not "running" (which the next attempt would call lost)."""
-    import json
-
-    from raytf.driver import attempts
-
-    staged = job.output_dir / "result.json"  # output.dir, or the staging folder shipped up to it
-    try:
-        written = json.loads(staged.read_text()).get("status") != "running"
-    except (OSError, ValueError):
-        written = False
-    if written:
-        return
-    interrupted = isinstance(exc, KeyboardInterrupt)
-    running.status = "interrupted" if interrupted else "failed"
-    running.error = "interrupted" if interrupted else str(exc) or type(exc).__name__
-    attempts.end(running.attempts[-1], running.status, running.error)
-    running.write(job.output_dir)
+    return run.execute(job, resume=mode, display=display, previous=previous, lease=held,
+                       session=ray_session(address, verbose), verbose=verbose)
 
 
 def tune(sweep_or_path: "str | Mapping[str, Any]", overrides: Mapping[str, Any] | None = None, *,

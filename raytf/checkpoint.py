@@ -34,15 +34,22 @@ class CheckpointInfo:
     world_size: int = 0
 
 
-def resume_note(checkpoint_dir: str | None, resume: "bool | str" = True) -> str | None:
+UNLISTED = object()  # resume_note's `latest` when the caller has not listed checkpoint.dir
+
+
+def resume_note(checkpoint_dir: str | None, resume: "bool | str" = True,
+                latest: "CheckpointInfo | None | object" = UNLISTED) -> str | None:
     """Before anything starts: --resume needs a checkpoint.dir (SpecError), and says when it holds nothing yet
     (the line returned); without --resume, a checkpoint.dir that holds checkpoints is a SpecError, so none is
-    trained over by accident. resume "auto" (resume: auto) says which of the two it does."""
+    trained over by accident. resume "auto" (resume: auto) says which of the two it does. `latest`: the
+    newest checkpoint, when the caller has listed the folder already (a listing reads every checkpoint's
+    metadata: a run lists it once before its first step)."""
     if checkpoint_dir is None:
         if resume:
             raise SpecError("--resume: the job has no checkpoint.dir to resume from; set checkpoint.dir")
         return None
-    latest = Storage(checkpoint_dir).latest()
+    if latest is UNLISTED:
+        latest = Storage(checkpoint_dir).latest()
     if latest is not None and not resume:
         raise SpecError(f"checkpoint.dir {checkpoint_dir} already holds checkpoints (latest at step {latest.step}); "
                         f"pass --resume to continue from it, or choose another checkpoint.dir")

@@ -160,7 +160,7 @@ def data() -> None:
 @_stderr_filtered
 def data_inspect(path: str, workers: int) -> None:
     """Schema, row count, files, row groups of PATH (file, directory, glob or URI) and its split."""
-    from raytf.data import inspect_report
+    from raytf.data_scan import inspect_report
 
     with _exit_on_error():
         click.echo(inspect_report(path, workers))

@@ -240,19 +240,26 @@ def load(source: "str | Path | Mapping[str, Any] | JobSpec | Job",
         from raytf.checkpoint import Storage
 
         Storage(job.checkpoint_dir).check_writable()
+    return complete(job, check_data=check_data, check_code=check_code)
+
+
+def complete(job: Job, check_data: bool = True, check_code: bool = True) -> Job:
+    """The checks `load` makes after a job's shape, on a job loaded with check_data/check_code off: its data
+    read (Parquet footers, labels, batches) and its code imported. The job file is not read again."""
+    spec, name = job.spec, job.source
     if check_data and spec.data is not None:
-        from raytf import data  # pyarrow only; no TensorFlow
+        from raytf import data_scan  # pyarrow only; no TensorFlow
 
         for split in ("train", "validation"):
             path = getattr(spec.data, split)
             if path is not None:
                 where = job.data_path(path)
-                read = lambda where=where, split=split: data.read_info(  # noqa: E731
+                read = lambda where=where, split=split: data_scan.read_info(  # noqa: E731
                     where, spec.data.features, spec.data.label, key=f"data.{split}", fill_nulls=spec.data.fill_nulls)
                 # a bucket that never answers is an error naming it, not a hang (raytf.storage's deadline)
                 job.datasets[split] = within(TIMEOUT_S, f"data.{split} {shown(where)} ({endpoint_of(where)})",
                                              read) if is_uri(where) else read()
-                data.check_images(job.datasets[split], spec.data.decode, key=f"data.{split}")
+                data_scan.check_images(job.datasets[split], spec.data.decode, key=f"data.{split}")
         check_labels(spec, job.datasets)
         undecoded = [c.name for c in job.datasets["train"].features
                      if c.dtype == "bytes" and c.name not in {d.column for d in spec.data.decode}]

@@ -14,7 +14,7 @@ from raytf import backends
 from raytf.errors import SpecError
 from raytf.labels import check_labels
 from raytf.model_check import model_output_shape
-from raytf.spec import FUNCTION_KEYS, JobSpec, function_ref
+from raytf.spec import FUNCTION_KEYS, LEGACY_INSTALL, JobSpec, function_ref
 
 
 def check_job_code(spec: JobSpec, job_dir: Path, datasets: Mapping[str, Any]) -> None:
@@ -44,9 +44,6 @@ def _check_takes_ctx(ref: str, func) -> None:
                         f"ctx: def {ref.partition(':')[2]}(ctx)") from None
     except ValueError:  # no signature to read (a builtin): left to the call
         pass
-
-
-LEGACY_INSTALL = "pip install 'raytf[legacy]'"  # tf-keras==2.21.*
 
 
 def check_train_fn_keras(spec: JobSpec, job_dir: Path) -> None:

@@ -26,7 +26,8 @@ from typing import Callable
 TASK_TAGS = ("run", "role", "rank", "node")
 JOB_TAGS = ("run",)
 EXPORT_INTERVAL_VAR = "RAY_metrics_report_interval_ms"
-ENDED = ("done", "failed", "interrupted")  # job states after which the run is not live
+ENDED = ("done", "failed", "interrupted", "stopped")  # job states after which the run is not live (stopped: by a
+# sweep's scheduler)
 SETS_PER_EXPORT = 4  # the keep-alive sets every gauge this often per export interval
 
 
@@ -173,7 +174,8 @@ class JobSeries:
 
     `ray_raytf_job_state{state}` is 1 for the state the job is in: placing (from the series' making: the
     upload and the reservation), starting, running, restarting (from a failure until the new attempt runs:
-    its placing and starting are shown as restarting), then done, failed or interrupted. `ray_raytf_job_live`
+    its placing and starting are shown as restarting), then done, failed, interrupted or stopped (a sweep's
+    scheduler stopped the trial). `ray_raytf_job_live`
     is 1 from the making until close(), then 0 until Ray drops it. `ray_raytf_restarts_total` is there from
     the start at 0. A keep-alive thread sets the gauges again several times per export interval (reserving
     or starting may block the driver for minutes); close() ends it, and Ray drops the gauges within two
@@ -183,8 +185,8 @@ class JobSeries:
         from ray.util import metrics
 
         self._state = metrics.Gauge("raytf_job_state", "1 for the state the job is in (placing, starting, running, "
-                                                       "restarting, done, failed, interrupted), 0 for those it "
-                                                       "left.", (*JOB_TAGS, "state"))
+                                                       "restarting, done, failed, interrupted, stopped), 0 for "
+                                                       "those it left.", (*JOB_TAGS, "state"))
         self._live = metrics.Gauge("raytf_job_live", "1 while the run's driver runs it, 0 once it ended (then the "
                                                      "series ends): the dashboard shows the live runs' series.",
                                    JOB_TAGS)

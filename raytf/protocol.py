@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from raytf.checkpoint import CheckpointInfo
 from raytf.data import DatasetInfo
 from raytf.spec import JobSpec, function_ref
+
+if TYPE_CHECKING:  # a field's type only: raytf.checkpoint would bring pyarrow.fs to every importer of these types
+    from raytf.checkpoint import CheckpointInfo
 
 OUTPUTS = "outputs"  # in output.dir: what the chief's script wrote into its working folder (ctx.output_dir)
 

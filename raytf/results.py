@@ -132,9 +132,9 @@ def _storage_fix(where: str, exc: OSError) -> str:
 
 
 def exit_code(saved: dict[str, Any]) -> int:
-    """0 succeeded (or still running), 1 failed or interrupted. (Before that, `read`: 2 nothing there or not
-    raytf's, 5 the storage unreadable.)"""
-    return 0 if saved.get("status") in ("succeeded", "running") else 1
+    """0 succeeded, still running, or stopped by a sweep's scheduler (its decision, not a failure); 1 failed or
+    interrupted. (Before that, `read`: 2 nothing there or not raytf's, 5 the storage unreadable.)"""
+    return 0 if saved.get("status") in ("succeeded", "running", "stopped") else 1
 
 
 def describe(saved: dict[str, Any], where: str) -> str:

@@ -1,39 +1,23 @@
 """The job spec as data: pydantic models (unknown keys are errors, frozen), each field checked on its own.
+`JobSpec` and its sections; the `optimizer:` section's models are `raytf.spec_optimizer`.
 
 Pure: no strategy backends, no Keras, no user code. Rules across sections and strategies are
 `raytf.spec_rules`; reading a job file, `--set` overrides and resolving paths and functions is `raytf.job`.
 """
 from __future__ import annotations
 
-import math
 import re
-from typing import Annotated, Any, Literal, Mapping, Union
+from typing import Any, Literal, Mapping, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from raytf.spec_optimizer import OptimizerSpec
+from raytf.spec_strict import StrictModel
 
 FUNCTION_REF = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
 
 
-_NUMBERS = (int, float, int | None, float | None)
-
-
-class _Strict(BaseModel):
-    # allow_inf_nan=False: `learning_rate: .inf` or a NaN timeout is refused, naming the key
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_yes_no_for_numbers(cls, raw: Any) -> Any:
-        """`workers: true` is not 1: pydantic would take a bool for an int or a float."""
-        if isinstance(raw, Mapping):
-            for key, value in raw.items():
-                field = cls.model_fields.get(key) if isinstance(key, str) else None
-                if isinstance(value, bool) and field is not None and field.annotation in _NUMBERS:
-                    raise ValueError(f"{key}: {value!r} is yes/no, not a number; give a number")
-        return raw
-
-
-class DecodeSpec(_Strict):
+class DecodeSpec(StrictModel):
     """An encoded-image column (binary) decoded to a uint8 [height, width, channels] tensor."""
 
     column: str = Field(description="The binary column holding the encoded images; it must be one of data.features.")
@@ -59,7 +43,7 @@ def _storage_uri(value: str | None) -> str | None:
     return value
 
 
-class DataSpec(_Strict):
+class DataSpec(StrictModel):
     train: str = Field(description=(
         "The training rows: a Parquet file, a directory of them (searched recursively), a glob, or a pyarrow.fs URI "
         "(s3://, gs://, hdfs://). Relative paths resolve against the job folder."))
@@ -113,150 +97,17 @@ class DataSpec(_Strict):
         return bool(self.decode or self.preprocess or self.cache != "none")
 
 
-class LossSpec(_Strict):
+class LossSpec(StrictModel):
     name: str = Field(description="A Keras loss name, e.g. sparse_categorical_crossentropy.")
     from_logits: bool = Field(default=False, description=(
         "Whether the model's output is logits rather than probabilities."))
 
 
-class Span(_Strict):
-    """A length of training: in epochs (fractions allowed) or in optimizer steps."""
-
-    epochs: float | None = Field(default=None, gt=0, description=(
-        "The length in epochs (fractions allowed); give this or steps."))
-    steps: int | None = Field(default=None, ge=1, description="The length in optimizer steps; give this or epochs.")
-
-    @model_validator(mode="after")
-    def _one_unit(self) -> "Span":
-        if (self.epochs is None) == (self.steps is None):
-            raise ValueError("give epochs or steps (one of them), e.g. {epochs: 2} or {steps: 500}")
-        return self
-
-    def in_steps(self, steps_per_epoch: int) -> int:
-        return self.steps if self.steps is not None else max(1, round(self.epochs * steps_per_epoch))
+# What train.keras: legacy needs installed: the driver's check (raytf.job_code) and a worker's error say it alike.
+LEGACY_INSTALL = "pip install 'raytf[legacy]'"  # tf-keras==2.21.*
 
 
-class WarmupSpec(Span):
-    start_factor: float = Field(default=0.0, ge=0, lt=1, description=(
-        "The ramp starts at start_factor x the rate it leads to (Goyal et al. start from the unscaled rate: "
-        "start_factor = base_batch_size / effective batch)."))
-
-
-class BoundariesSpec(_Strict):
-    epochs: list[float] | None = Field(default=None, description=(
-        "Where the rate changes, in epochs: a strictly increasing list above 0; give this or steps."))
-    steps: list[int] | None = Field(default=None, description=(
-        "Where the rate changes, in optimizer steps: a strictly increasing list above 0; give this or epochs."))
-
-    @model_validator(mode="after")
-    def _increasing(self) -> "BoundariesSpec":
-        if (self.epochs is None) == (self.steps is None):
-            raise ValueError("give epochs or steps (one list), e.g. {epochs: [30, 60]}")
-        values = self.epochs if self.epochs is not None else self.steps
-        if not values or values[0] <= 0 or any(b <= a for a, b in zip(values, values[1:])):
-            raise ValueError(f"{values} must be a non-empty, strictly increasing list of values above 0")
-        return self
-
-    def in_steps(self, steps_per_epoch: int) -> list[int]:
-        return list(self.steps) if self.steps is not None else [round(e * steps_per_epoch) for e in self.epochs]
-
-
-# Each schedule's keys (besides name); the first of "required" must be given.
-SCHEDULE_KEYS = {
-    "constant": {"optional": ("warmup",), "required": ()},
-    "cosine": {"optional": ("warmup", "alpha", "decay"), "required": ()},
-    "step": {"optional": ("warmup", "factor"), "required": ("every",)},
-    "exponential": {"optional": ("warmup", "staircase"), "required": ("every", "factor")},
-    "piecewise": {"optional": ("warmup",), "required": ("boundaries", "factors")},
-}
-SCHEDULE_EXAMPLES = {
-    "constant": "{name: constant, warmup: {epochs: 1}}",
-    "cosine": "{name: cosine, alpha: 0.01, warmup: {epochs: 1}}",
-    "step": "{name: step, every: {epochs: 30}, factor: 0.1}",
-    "exponential": "{name: exponential, every: {steps: 1000}, factor: 0.96}",
-    "piecewise": "{name: piecewise, boundaries: {epochs: [30, 60]}, factors: [0.1, 0.01]}",
-}
-
-
-class ScheduleSpec(_Strict):
-    """The learning rate over optimizer steps, from optimizer.learning_rate (after scale_lr): constant;
-    cosine down to alpha x the rate (over `decay`, default the rest of training after warmup); step:
-    x factor every `every`; exponential: x factor per `every` (staircase: in whole periods); piecewise:
-    the rate x factors[i] from boundaries[i] on. An optional linear warmup leads into any of them."""
-
-    name: Literal["constant", "cosine", "step", "exponential", "piecewise"] = Field(default="constant", description=(
-        "The schedule; each takes only its own keys (cosine: alpha, decay; step: every, factor; exponential: every, "
-        "factor, staircase; piecewise: boundaries, factors), and warmup."))
-    warmup: WarmupSpec | None = Field(default=None, description=(
-        "A linear warmup in front of the schedule, from start_factor x the rate up to it."))
-    alpha: float | None = Field(default=None, ge=0, le=1, description="cosine: decay down to alpha x the rate.")
-    decay: Span | None = Field(default=None, description=(
-        "cosine: the span to decay over. None: the rest of training after the warmup."))
-    every: Span | None = Field(default=None, description="step and exponential: the period of each change.")
-    factor: float | None = Field(default=None, gt=0, description=(
-        "step: the rate x factor every period; exponential: x factor per period."))
-    staircase: bool | None = Field(default=None, description=(
-        "exponential: change in whole periods rather than continuously."))
-    boundaries: BoundariesSpec | None = Field(default=None, description="piecewise: where the rate changes.")
-    factors: list[Annotated[float, Field(gt=0)]] | None = Field(default=None, description=(
-        "piecewise: the rate x factors[i] from boundaries[i] on; one factor per boundary."))
-
-    @model_validator(mode="after")
-    def _keys_of_the_schedule(self) -> "ScheduleSpec":
-        keys = SCHEDULE_KEYS[self.name]
-        allowed = (*keys["required"], *keys["optional"])
-        given = [k for k in type(self).model_fields if k != "name" and getattr(self, k) is not None]
-        extra = [k for k in given if k not in allowed]
-        if extra:
-            raise ValueError(f"{extra[0]} is not a key of schedule {self.name} (it takes "
-                             f"{', '.join(allowed) or 'no keys'}); e.g. {SCHEDULE_EXAMPLES[self.name]}")
-        missing = [k for k in keys["required"] if getattr(self, k) is None]
-        if missing:
-            raise ValueError(f"schedule {self.name} needs {' and '.join(missing)}; e.g. {SCHEDULE_EXAMPLES[self.name]}")
-        if self.name == "piecewise":
-            count = len(self.boundaries.epochs or self.boundaries.steps)
-            if len(self.factors) != count:
-                raise ValueError(f"piecewise: {count} boundaries need {count} factors (the rate x factors[i] from "
-                                 f"boundaries[i] on), got {len(self.factors)}")
-        return self
-
-
-class ScaleLrSpec(_Strict):
-    """The large-batch rule: learning_rate was tuned at base_batch_size; the job trains at its effective
-    batch (train.global_batch_size x train.accumulation_steps) with the rate x ratio (linear, Goyal et
-    al.) or x sqrt(ratio)."""
-
-    rule: Literal["linear", "sqrt"] = Field(description=(
-        "linear: the rate x (effective batch / base_batch_size); sqrt: x its square root."))
-    base_batch_size: int = Field(ge=1, description="The batch size optimizer.learning_rate was tuned at.")
-
-
-class OptimizerSpec(_Strict):
-    name: str = Field(default="adam", description="A Keras optimizer name, e.g. adam, sgd.")
-    learning_rate: float = Field(default=0.001, gt=0, description=(
-        "The peak rate; at scale_lr's base_batch_size when scale_lr is set."))
-    schedule: ScheduleSpec = Field(default=ScheduleSpec(), description="The learning rate over optimizer steps.")
-    scale_lr: ScaleLrSpec | None = Field(default=None, description=(
-        "Scale the rate by the effective batch (the large-batch rule). None: as given."))
-    options: dict[str, Any] = Field(default_factory=dict, description=(
-        "Other constructor arguments of the optimizer, e.g. {momentum: 0.9}; not learning_rate, not "
-        "gradient_accumulation_steps."))
-
-    @field_validator("options")
-    @classmethod
-    def _not_ours(cls, options: dict[str, Any]) -> dict[str, Any]:
-        if "learning_rate" in options:
-            raise ValueError("learning_rate belongs in optimizer.learning_rate (and a schedule in optimizer.schedule)")
-        bad = {k: v for k, v in options.items() if isinstance(v, float) and not math.isfinite(v)}
-        if bad:
-            raise ValueError(f"{bad} is not a finite number; give a finite value")
-        if "gradient_accumulation_steps" in options:
-            raise ValueError("gradient_accumulation_steps: use train.accumulation_steps; Keras's own counts "
-                             "micro-batches as schedule steps and all-reduces every micro-batch")
-        return options
-
-
-class TrainSpec(_Strict):
+class TrainSpec(StrictModel):
     epochs: int = Field(default=1, ge=1, description="Epochs to train.")
     global_batch_size: int = Field(default=64, ge=1, le=2 ** 31 - 1, description=(
         "Rows per step over all replicas (per replica x replicas); must divide by the replicas."))
@@ -299,7 +150,7 @@ class TrainSpec(_Strict):
         return str(self.global_batch_size)
 
 
-class ClusterSpec(_Strict):
+class ClusterSpec(StrictModel):
     workers: int = Field(default=2, ge=1, description=(
         "Worker tasks (one Ray actor each); 1, and the default, under one_device and central_storage."))
     cpus_per_worker: float = Field(default=1.0, ge=0, description="CPUs each worker's bundle reserves.")
@@ -367,7 +218,7 @@ class ClusterSpec(_Strict):
         return self.workers * self.replicas_per_worker
 
 
-class PartitionerSpec(_Strict):
+class PartitionerSpec(StrictModel):
     """How variables are split over the ps tasks (TF's variable_partitioner). min_size: shards of at least
     min_shard_bytes, at most one per ps task (small variables stay whole); fixed: `shards` shards each."""
 
@@ -389,11 +240,11 @@ class PartitionerSpec(_Strict):
 ClusterSpec.model_rebuild()
 
 
-class ElasticSpec(_Strict):
+class ElasticSpec(StrictModel):
     min_workers: int = Field(ge=1, description="The fewest workers the job goes on with; at most cluster.workers.")
 
 
-class FailureSpec(_Strict):
+class FailureSpec(StrictModel):
     hang_timeout_s: float = Field(default=300.0, gt=0, description=(
         "With no progress from a rank for this long, the attempt is declared hung and torn down."))
     max_restarts: int = Field(default=0, ge=0, description=(
@@ -411,7 +262,7 @@ class FailureSpec(_Strict):
         "failure.max_restarts. Needs checkpoint.dir; false: carry on until the node goes."))
 
 
-class CheckpointSpec(_Strict):
+class CheckpointSpec(StrictModel):
     dir: str | None = Field(default=None, description=(
         "A local directory (shared by all nodes) or a pyarrow.fs URI (s3://, gs://, hdfs://). None: no checkpoints "
         "(with resume: auto or true, <output.dir>/checkpoints)."))
@@ -435,7 +286,7 @@ class CheckpointSpec(_Strict):
         return "epochs", self.every_epochs or 1
 
 
-class ProfileSpec(_Strict):
+class ProfileSpec(StrictModel):
     """A tf.profiler trace of optimizer steps first..last (1-based, inclusive) on the given ranks."""
 
     steps: tuple[int, int] = Field(description="[first, last] optimizer steps to trace, 1-based, inclusive.")
@@ -453,7 +304,7 @@ class ProfileSpec(_Strict):
         return self
 
 
-class OutputSpec(_Strict):
+class OutputSpec(StrictModel):
     dir: str | None = Field(default=None, min_length=1, description=(
         "Where result.json, the model, the SavedModel and TensorBoard events go: a local folder or a URI pyarrow.fs "
         "opens (s3://bucket/path, gs://, hdfs://). None: runs/<name> in the job folder."))
@@ -472,7 +323,7 @@ class OutputSpec(_Strict):
         "(ray_raytf_*). Its cost: benchmarks/bench_metrics.py."))
 
 
-class MlflowSpec(_Strict):
+class MlflowSpec(StrictModel):
     uri: str = Field(min_length=1, description=(
         "MLflow's tracking URI: a server (http://host:5000) or a database (sqlite:///mlflow.db: relative to the job "
         "folder). Credentials come from MLflow's own environment variables (MLFLOW_TRACKING_TOKEN, "
@@ -490,14 +341,14 @@ class MlflowSpec(_Strict):
         return value
 
 
-class TrackingSpec(_Strict):
+class TrackingSpec(StrictModel):
     mlflow: MlflowSpec | None = Field(default=None, description=(
         "Log the run to MLflow from the driver: the spec as params, each epoch's metrics, the exported model as "
         "artifacts, the end as the run's status; a sweep is a parent run with a nested run per trial. Needs "
         "`pip install 'raytf[mlflow]'`. None: no tracking."))
 
 
-class JobSpec(_Strict):
+class JobSpec(StrictModel):
     name: str = Field(pattern=r"^[\w.-]+$", max_length=100, description=(
         "The job's name: actors, output folder (runs/<name>) and messages carry it."))
     base_dir: str | None = Field(default=None, description=(

@@ -6,7 +6,8 @@ The strategy's own rules come first (`Backend.check`), so a key the strategy ref
 from __future__ import annotations
 
 from raytf import backends, learning_rate
-from raytf.spec import JobSpec, ScheduleSpec
+from raytf.spec import JobSpec
+from raytf.spec_optimizer import ScheduleSpec
 
 
 def check(spec: JobSpec) -> None:

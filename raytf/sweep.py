@@ -1,6 +1,7 @@
-"""The sweep file: a job spec plus a `tune:` section. Pure: parsing the tune section, expanding the space
+"""The sweep file: a job spec plus a `tune:` section. Pure: parsing the tune section, and expanding the space
 into points (each point validated as a job before any trial starts, its learning rate scaled to its
-batch by the job's own rule), and how many trials the cluster holds at once. No Ray, no TensorFlow.
+batch by the job's own rule). How many trials the cluster holds at once is raytf.sweep_capacity. No Ray,
+no TensorFlow.
 
     tune:
       metric: val_loss
@@ -418,71 +419,3 @@ def check_metric(section: TuneSection, spec: JobSpec, source: str) -> None:
     if known is not None and section.metric not in known:
         raise SpecError(f"{source}: tune.metric: {section.metric!r} is not reported by this job; "
                         f"it reports {', '.join(known)}")
-
-
-# ---------------------------------------------------------------- capacity
-
-
-def _fits(free: dict[str, float], need: Mapping[str, float]) -> bool:
-    return all(free.get(k, 0.0) + 1e-9 >= v for k, v in need.items())
-
-
-def _take(free: dict[str, float], need: Mapping[str, float]) -> None:
-    for k, v in need.items():
-        free[k] = free.get(k, 0.0) - v
-
-
-def place(nodes: list[dict[str, float]], bundles: list[dict[str, float]], placement: str) -> bool:
-    """Place one trial's bundles on the nodes' free resources (mutated only on success), the way Ray's
-    placement strategies allow: PACK prefers one node, SPREAD prefers distinct nodes, STRICT_* insist."""
-    placement = placement.upper()
-    total: dict[str, float] = {}
-    for b in bundles:
-        for k, v in b.items():
-            total[k] = total.get(k, 0.0) + v
-    if placement in ("PACK", "STRICT_PACK"):
-        for node in nodes:
-            if _fits(node, total):
-                _take(node, total)
-                return True
-        if placement == "STRICT_PACK":
-            return False
-    trial = [dict(n) for n in nodes]
-    used: set[int] = set()
-    for bundle in bundles:
-        order = [i for i in range(len(trial)) if i not in used]
-        if placement != "STRICT_SPREAD":
-            order += sorted(used)
-        spot = next((i for i in order if _fits(trial[i], bundle)), None)
-        if spot is None:
-            return False
-        _take(trial[spot], bundle)
-        used.add(spot)
-    for node, after in zip(nodes, trial):
-        node.clear()
-        node.update(after)
-    return True
-
-
-def trials_that_fit(nodes: list[Mapping[str, float]], bundles: list[dict[str, float]], strategy: str,
-                    limit: int = 10_000) -> int:
-    """How many copies of one trial (its bundles) the nodes hold at once."""
-    free = [dict(n) for n in nodes]
-    count = 0
-    while count < limit and place(free, bundles, strategy):
-        count += 1
-    return count
-
-
-def auto_concurrency(nodes: list[Mapping[str, float]], trials: list[tuple[list[dict[str, float]], str]],
-                     num_trials: int) -> int:
-    """`max_concurrent_trials: auto`: as many trials as the cluster holds of its largest trial shape, at
-    most the number of trials. 0 means the largest trial does not fit the cluster at all.
-    Tune reserves each trial's placement group whole, so trials never hold part of what another waits for;
-    capping at what fits keeps Tune from queueing groups the cluster cannot give."""
-    if not trials:
-        return 0
-    shapes = {(tuple(tuple(sorted(b.items())) for b in bundles), strategy) for bundles, strategy in trials}
-    fit = min(trials_that_fit(nodes, [dict(b) for b in bundles], strategy, limit=num_trials)
-              for bundles, strategy in shapes)
-    return min(fit, num_trials)

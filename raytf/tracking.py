@@ -24,7 +24,7 @@ PARAM_VALUE_LIMIT = 6000
 PARAMS_PER_CALL = 100
 PROBE_TIMEOUT_S = 5.0
 # raytf's status -> MLflow's RunStatus name
-STATUS = {"succeeded": "FINISHED", "failed": "FAILED", "interrupted": "KILLED"}
+STATUS = {"succeeded": "FINISHED", "failed": "FAILED", "interrupted": "KILLED", "stopped": "KILLED"}
 # The experiment raytf creates is a training one: MLflow 3's UI files an experiment without this tag under
 # its GenAI view. Key and value as the UI's own experiment-type selector sets them ("Machine learning").
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
@@ -160,7 +160,7 @@ class MlflowRun:
                 self._try(lambda p=path: self.client.log_artifact(self.run_id, str(p)))
 
     def end(self, status: str) -> None:
-        """`status`: raytf's (succeeded, failed, interrupted)."""
+        """`status`: raytf's (succeeded, failed, interrupted, stopped: by a sweep's scheduler)."""
         self._broken = False
         self._try(lambda: self.client.set_terminated(self.run_id, status=STATUS.get(status, "FAILED")))
 

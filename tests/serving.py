@@ -36,13 +36,14 @@ def feed_of(path: str, features: list[str], label: str, fill_nulls: dict | None 
     """Every row of `path`'s feature columns as raytf feeds them (nulls filled, strings as bytes)."""
     import pyarrow.parquet as pq
 
-    from raytf import data
+    from raytf import data_scan
+    from raytf.actor import shard_reader
 
-    info = data.read_info(path, features, label, fill_nulls=fill_nulls)
+    info = data_scan.read_info(path, features, label, fill_nulls=fill_nulls)
     table = pq.read_table(path, columns=features)
     out = {}
     for column in info.features:
-        values = data.to_numpy(table.column(column.name), column)
+        values = shard_reader.to_numpy(table.column(column.name), column)
         out[column.name] = values.astype("S") if column.dtype in ("string", "bytes") else values
     return out
 

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from raytf.checkpoint import Storage
+from raytf.driver.callbacks import Callback, TrialStopped
 from raytf.driver.controller import DONE, FAILED, RUNNING, STARTING, Controller
 from raytf.driver.group import TaskError
 from raytf.driver.policy import Limits
@@ -511,9 +512,9 @@ def test_a_free_form_config_section_reaches_the_train_fns_ctx():
 # ---------------------------------------------------------------- a sweep's trials in one process (raytf.actor.reuse)
 
 
-def _trial(tmp_path, world, clock, name, on_epoch=None, **sections):
+def _trial(tmp_path, world, clock, name, callbacks=(), **sections):
     job = make_job(tmp_path / name, **sections)
-    return Controller(job, world, env={}, clock=clock, placement_group="trial-pg", on_epoch=on_epoch)
+    return Controller(job, world, env={}, clock=clock, placement_group="trial-pg", callbacks=callbacks)
 
 
 def test_a_sweep_trial_runs_in_the_last_trials_processes_when_they_match_and_only_then(tmp_path):
@@ -558,12 +559,17 @@ def test_a_trial_stopped_by_its_last_report_or_on_a_draining_node_keeps_no_proce
     world = FakeResources(clock, lambda attempt, task: Script(finish_after=6.0))
     world.keep_processes = True
 
-    def stopped_by_tune(metrics):
-        raise SystemExit(0)  # what tune.report raises in a trial Tune stops
+    class StoppedByTune(Callback):
+        def on_epoch(self, metrics):  # tune.report raises SystemExit in a trial Tune stops; raytf's report says why
+            raise TrialStopped(f"stopped early by tune.scheduler asha after epoch {metrics['epoch']}")
 
+    stopped = _trial(tmp_path, world, clock, "a", callbacks=[StoppedByTune()])
     with pytest.raises(SystemExit):
-        _trial(tmp_path, world, clock, "a", on_epoch=stopped_by_tune).run()
+        stopped.run()
     assert world.kept is None and world.groups[0].stopped
+    written = json.loads((stopped.job.output_dir / "result.json").read_text())
+    assert written["status"] == "stopped" and written["error"] == "stopped early by tune.scheduler asha after epoch 1"
+    assert written["history"], "the epochs before the stop are kept"
     c = _trial(tmp_path, world, clock, "b")
     while c.state != DONE:
         c.step()

@@ -9,7 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from raytf import data
+from raytf import data, data_scan
+from raytf.actor import pipelines, shard_reader
 from raytf.errors import SpecError
 
 
@@ -61,7 +62,7 @@ def dataset_dir(tmp_path):
 
 
 def test_describe_reads_row_groups_and_column_types_from_metadata(dataset_dir):
-    info = data.read_info(str(dataset_dir), ["x", "vec"], "y")
+    info = data_scan.read_info(str(dataset_dir), ["x", "vec"], "y")
     assert info.num_rows == 38
     assert [p.num_rows for p in info.pieces] == [4, 4, 2, 3, 7, 7, 7, 4]
     assert info.files == ["part-0.parquet", "part-1.parquet", "part-2.parquet"]
@@ -77,29 +78,29 @@ def test_describe_reads_row_groups_and_column_types_from_metadata(dataset_dir):
 ])
 def test_bad_data_is_a_spec_error_naming_the_problem(tmp_path, dataset_dir, path, features, label, message):
     with pytest.raises(SpecError, match=re.escape(message)):
-        data.read_info(str(tmp_path / path), features, label)
+        data_scan.read_info(str(tmp_path / path), features, label)
 
 
 def test_empty_and_unconvertible_data_are_spec_errors(tmp_path):
     pq.write_table(pa.table({"x": pa.array([], pa.float32()), "y": pa.array([], pa.int64())}), tmp_path / "empty.parquet")
     with pytest.raises(SpecError, match="has no rows"):
-        data.read_info(str(tmp_path / "empty.parquet"), ["x"], "y")
+        data_scan.read_info(str(tmp_path / "empty.parquet"), ["x"], "y")
     pq.write_table(pa.table({"s": pa.array([{"a": 1}, {"a": 2}]), "y": [0, 1]}), tmp_path / "struct.parquet")
     with pytest.raises(SpecError, match="column 's' has type struct"):
-        data.read_info(str(tmp_path / "struct.parquet"), ["s"], "y")
+        data_scan.read_info(str(tmp_path / "struct.parquet"), ["s"], "y")
     (tmp_path / "junk.parquet").write_text("not parquet")
     with pytest.raises(SpecError, match="not a readable Parquet file"):
-        data.read_info(str(tmp_path / "junk.parquet"), ["x"], "y")
+        data_scan.read_info(str(tmp_path / "junk.parquet"), ["x"], "y")
 
 
 def test_worker_pipelines_read_each_row_once_across_workers(dataset_dir):
-    info = data.read_info(str(dataset_dir), ["x", "vec"], "y")
+    info = data_scan.read_info(str(dataset_dir), ["x", "vec"], "y")
     workers, batch = 3, 4
     shards = data.plan_shards([p.num_rows for p in info.pieces], workers)
     seen = []
     for shard in shards:
         steps = -(-data.shard_rows(shard) // batch)
-        for x, y, w in data.eval_dataset(info, str(dataset_dir), shard, batch, steps):
+        for x, y, w in pipelines.eval_dataset(info, str(dataset_dir), shard, batch, steps):
             y, w = y.numpy(), w.numpy()
             assert np.array_equal(x["vec"].numpy()[w > 0][:, 0], y[w > 0])  # columns stay aligned
             seen.extend(y[w > 0].tolist())
@@ -107,11 +108,11 @@ def test_worker_pipelines_read_each_row_once_across_workers(dataset_dir):
 
 
 def test_train_pipeline_gives_exactly_the_planned_batches_per_epoch_reshuffled_each_epoch(dataset_dir):
-    info = data.read_info(str(dataset_dir), ["x"], "y")
+    info = data_scan.read_info(str(dataset_dir), ["x"], "y")
     shard = data.plan_shards([p.num_rows for p in info.pieces], 2)[0]  # 19 rows
     def epochs(seed, count=3):
-        batches = [y.numpy().tolist() for _, y in data.train_dataset(info, str(dataset_dir), shard, 4, 4,
-                                                                      shuffle_buffer=100, seed=seed).take(4 * count)]
+        batches = [y.numpy().tolist() for _, y in pipelines.train_dataset(info, str(dataset_dir), shard, 4, 4,
+                                                                           shuffle_buffer=100, seed=seed).take(4 * count)]
         return [sum(batches[i * 4:(i + 1) * 4], []) for i in range(count)]
     first, again, other = epochs(1), epochs(1), epochs(2)
     assert first == again and first != other  # deterministic per seed
@@ -122,9 +123,9 @@ def test_train_pipeline_gives_exactly_the_planned_batches_per_epoch_reshuffled_e
 
 @pytest.mark.parametrize("shuffle_buffer", [0, 5, 1000])
 def test_an_epoch_longer_than_the_shard_rereads_it(dataset_dir, shuffle_buffer):
-    info = data.read_info(str(dataset_dir), ["x"], "y")
+    info = data_scan.read_info(str(dataset_dir), ["x"], "y")
     shard = data.plan_shards([p.num_rows for p in info.pieces], 2)[1]  # 19 rows: 19..37
-    chunks = data.epoch_chunks(info, str(dataset_dir), shard, 30, shuffle_buffer, seed=0)
+    chunks = shard_reader.epoch_chunks(info, str(dataset_dir), shard, 30, shuffle_buffer, seed=0)
     rows = []
     while len(rows) < 60:
         rows.extend(next(chunks)[-1].tolist())
@@ -138,13 +139,13 @@ def test_an_epoch_longer_than_the_shard_rereads_it(dataset_dir, shuffle_buffer):
 
 def test_nulls_are_reported_with_the_column_name():
     with pytest.raises(ValueError, match="column 'x' has 1 null"):
-        data.to_numpy(pa.array([1.0, None]), data.Column("x", "float32"))
+        shard_reader.to_numpy(pa.array([1.0, None]), data.Column("x", "float32"))
 
 
 def test_globs_and_file_uris_find_the_same_rows(dataset_dir):
-    by_dir = data.read_info(str(dataset_dir), ["x"], "y")
-    by_glob = data.read_info(str(dataset_dir / "part-*.parquet"), ["x"], "y")
-    by_uri = data.read_info(f"file://{dataset_dir}", ["x"], "y")
+    by_dir = data_scan.read_info(str(dataset_dir), ["x"], "y")
+    by_glob = data_scan.read_info(str(dataset_dir / "part-*.parquet"), ["x"], "y")
+    by_uri = data_scan.read_info(f"file://{dataset_dir}", ["x"], "y")
     assert by_dir.num_rows == by_glob.num_rows == by_uri.num_rows == 38
     assert len(by_glob.pieces) == len(by_uri.pieces) == 8
 
@@ -153,7 +154,7 @@ def test_files_with_different_schemas_are_refused(tmp_path):
     pq.write_table(pa.table({"x": [1.0], "y": [0]}), tmp_path / "a.parquet")
     pq.write_table(pa.table({"x": [1.0], "z": [0]}), tmp_path / "b.parquet")
     with pytest.raises(SpecError, match=r"different schema .* \['y', 'z'\]"):
-        data.read_info(str(tmp_path), ["x"], "y")
+        data_scan.read_info(str(tmp_path), ["x"], "y")
 
 
 @pytest.fixture
@@ -165,11 +166,11 @@ def criteo_dir(tmp_path):
 
 def test_nulls_are_found_from_metadata_before_training_and_filled_when_asked(criteo_dir):
     with pytest.raises(SpecError, match=r"column 'I1' has [\d,]+ null values; set data.fill_nulls: \{I1: <value>\}"):
-        data.read_info(str(criteo_dir), ["I1", "C1"], "label")
-    info = data.read_info(str(criteo_dir), ["I1", "C1"], "label", fill_nulls={"I1": -1})
+        data_scan.read_info(str(criteo_dir), ["I1", "C1"], "label")
+    info = data_scan.read_info(str(criteo_dir), ["I1", "C1"], "label", fill_nulls={"I1": -1})
     assert info.features[0].fill == -1 and info.features[1].dtype == "string"
     shard = data.plan_shards([p.num_rows for p in info.pieces], 1)[0]
-    i1, c1, label = (np.concatenate(parts) for parts in zip(*data.iter_shard(info, str(criteo_dir), shard)))
+    i1, c1, label = (np.concatenate(parts) for parts in zip(*shard_reader.iter_shard(info, str(criteo_dir), shard)))
     assert len(i1) == 3000 and (i1 == -1).sum() > 50  # ~5% nulls, now -1
     assert c1.dtype == object and all(len(v) == 8 for v in c1[:20])  # hashed 8-hex-digit categories
     assert set(np.unique(label)) == {0, 1}
@@ -178,16 +179,16 @@ def test_nulls_are_found_from_metadata_before_training_and_filled_when_asked(cri
 def test_strings_reach_tensorflow_as_tf_string(criteo_dir):
     import tensorflow as tf
 
-    info = data.read_info(str(criteo_dir), ["C1", "C2"], "label")
+    info = data_scan.read_info(str(criteo_dir), ["C1", "C2"], "label")
     shard = data.plan_shards([p.num_rows for p in info.pieces], 2)[0]
-    x, y = next(iter(data.train_dataset(info, str(criteo_dir), shard, 32, 4, shuffle_buffer=100, seed=0)))
+    x, y = next(iter(pipelines.train_dataset(info, str(criteo_dir), shard, 32, 4, shuffle_buffer=100, seed=0)))
     assert x["C1"].dtype == tf.string and x["C1"].shape == (32,) and y.shape == (32,)
 
 
 def test_pad_mode_gives_every_row_once_per_epoch_with_weights(dataset_dir):
-    info = data.read_info(str(dataset_dir), ["x"], "y")
+    info = data_scan.read_info(str(dataset_dir), ["x"], "y")
     shard = data.plan_shards([p.num_rows for p in info.pieces], 2)[0]  # 19 rows
-    ds = data.train_dataset(info, str(dataset_dir), shard, 4, 5, shuffle_buffer=100, seed=3, pad=True)
+    ds = pipelines.train_dataset(info, str(dataset_dir), shard, 4, 5, shuffle_buffer=100, seed=3, pad=True)
     batches = list(ds.take(10))  # two epochs of 5 batches
     for epoch in (batches[:5], batches[5:]):
         y = np.concatenate([b[1].numpy() for b in epoch])
@@ -196,7 +197,7 @@ def test_pad_mode_gives_every_row_once_per_epoch_with_weights(dataset_dir):
 
 
 def test_inspect_report_shows_schema_rows_and_the_split(criteo_dir):
-    report = data.inspect_report(str(criteo_dir), workers=4)
+    report = data_scan.inspect_report(str(criteo_dir), workers=4)
     assert "3,000 rows in 3 file(s), 6 row group(s)" in report
     assert "C1: string -> string (categorical)" in report and "I1: int64 -> int64" in report and "nulls" in report
     assert report.count("750 rows") == 4
@@ -217,29 +218,29 @@ def test_cli_data_commands(tmp_path):
 
 def test_parameter_server_records_hold_each_workers_shard_and_read_back_with_tf_ops_only(dataset_dir, tmp_path,
                                                                                         monkeypatch):
-    info = data.read_info(str(dataset_dir), ["x", "vec"], "y")
+    info = data_scan.read_info(str(dataset_dir), ["x", "vec"], "y")
     shards = data.plan_shards([p.num_rows for p in info.pieces], 2)
     for i, shard in enumerate(shards):  # as each worker actor does, in its own folder
-        written = data.write_records(info, str(dataset_dir), shard, str(tmp_path / f"w{i}" / data.RECORDS_DIR / "t"),
-                                     chunk_rows=3)
+        written = pipelines.write_records(info, str(dataset_dir), shard,
+                                          str(tmp_path / f"w{i}" / pipelines.RECORDS_DIR / "t"), chunk_rows=3)
         assert written == data.shard_rows(shard)
     seen = []
     for i, shard in enumerate(shards):
         monkeypatch.chdir(tmp_path / f"w{i}")  # the pipeline reads a relative path, like on a worker
         rows = data.shard_rows(shard)
-        ds = data.record_dataset(info, f"{data.RECORDS_DIR}/t", batch_size=rows, shuffle_buffer=0, seed=0)
+        ds = pipelines.record_dataset(info, f"{pipelines.RECORDS_DIR}/t", batch_size=rows, shuffle_buffer=0, seed=0)
         assert not any("PyFunc" in op for op in _dataset_ops(ds))  # runnable on a remote TF worker
         (x, y), again = list(ds.take(2))[0], list(ds.take(2))[1]
         assert np.array_equal(x["vec"].numpy()[:, 0], y.numpy())  # columns stay aligned
         assert np.array_equal(again[1].numpy(), y.numpy())  # endless: the next pass follows
         seen.extend(y.numpy().tolist())
-        shuffled = data.record_dataset(info, f"{data.RECORDS_DIR}/t", batch_size=rows, shuffle_buffer=100, seed=0)
+        shuffled = pipelines.record_dataset(info, f"{pipelines.RECORDS_DIR}/t", batch_size=rows, shuffle_buffer=100, seed=0)
         batches = [b[1].numpy().tolist() for b in shuffled.take(4)]
         # the shuffle buffer spans passes (the stream has no epochs): rows of the shard only, all of them, mixed
         assert set(sum(batches, [])) == set(y.numpy().tolist()) and batches[0] != sorted(batches[0])
     assert sorted(seen) == list(range(38))  # every row in exactly one worker's records
     with pytest.raises(ValueError, match="shard has no rows"):
-        data.write_records(info, str(dataset_dir), [], str(tmp_path / "empty"))
+        pipelines.write_records(info, str(dataset_dir), [], str(tmp_path / "empty"))
 
 
 def _dataset_ops(ds):

@@ -10,7 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from raytf import data, images
+from raytf import data, data_scan, images
+from raytf.actor import pipelines, shard_reader
 from raytf.errors import SpecError
 from raytf.job import load, parse
 from tests.conftest import REPO
@@ -59,7 +60,7 @@ def test_image_headers_say_format_size_and_channels():
 
 
 def test_binary_and_tensor_columns_get_their_shapes_from_the_schema(image_file):
-    info = data.read_info(str(image_file), ["image", "tensor", "nested"], "label")
+    info = data_scan.read_info(str(image_file), ["image", "tensor", "nested"], "label")
     assert [(c.name, c.dtype, c.shape) for c in info.features] == [
         ("image", "bytes", ()), ("tensor", "float32", (4, 4, 1)), ("nested", "float32", (2, 3))]
 
@@ -69,11 +70,11 @@ def test_a_ragged_nested_list_is_a_spec_error_naming_the_column_and_the_row_grou
     pq.write_table(pa.table({"x": pa.array(rows, pa.list_(pa.list_(pa.float32()))), "y": list(range(8))}),
                    tmp_path / "ragged.parquet", row_group_size=4)
     with pytest.raises(SpecError, match=r"column 'x' is ragged in row group 1: 15 values in 4 rows, not 4 per row"):
-        data.read_info(str(tmp_path / "ragged.parquet"), ["x"], "y")
+        data_scan.read_info(str(tmp_path / "ragged.parquet"), ["x"], "y")
     pq.write_table(pa.table({"x": pa.array(rows[4:], pa.list_(pa.list_(pa.float32()))), "y": list(range(4))}),
                    tmp_path / "first.parquet")
     with pytest.raises(SpecError, match=r"column 'x' is ragged in row group 0: its lists at depth 2 have lengths \[1, 2\]"):
-        data.read_info(str(tmp_path / "first.parquet"), ["x"], "y")
+        data_scan.read_info(str(tmp_path / "first.parquet"), ["x"], "y")
 
 
 def test_a_later_row_group_ragged_with_the_right_total_fails_when_read_naming_it(tmp_path):
@@ -81,13 +82,13 @@ def test_a_later_row_group_ragged_with_the_right_total_fails_when_read_naming_it
     path = tmp_path / "sly.parquet"
     pq.write_table(pa.table({"x": pa.array(rows, pa.list_(pa.list_(pa.float32()))), "y": list(range(8))}), path,
                    row_group_size=4)
-    info = data.read_info(str(path), ["x"], "y")  # the footers' counts agree: only reading can tell
+    info = data_scan.read_info(str(path), ["x"], "y")  # the footers' counts agree: only reading can tell
     with pytest.raises(ValueError, match=r"row group 1: column 'x' is ragged: its lists at depth 2 have lengths 1..3"):
-        list(data.iter_shard(info, str(path), data.plan_shards([4, 4], 1)[0]))
+        list(shard_reader.iter_shard(info, str(path), data.plan_shards([4, 4], 1)[0]))
 
 
 def test_inspect_shows_binary_and_tensor_columns(image_file):
-    report = data.inspect_report(str(image_file))
+    report = data_scan.inspect_report(str(image_file))
     assert "image: binary -> bytes (binary, " in report and "first value: png 8x6x3 image" in report
     assert "tensor: extension<arrow.fixed_shape_tensor" in report and "-> float32 tensor[4, 4, 1]" in report
     assert "nested: list<element: list<element: float>> -> float32 tensor[2, 3] (from the first row group)" in report
@@ -146,7 +147,7 @@ def tf_side(image_file):
 
     def payload(**data_keys):
         spec = parse(image_spec(image_file.parent, **{"decode": {"column": "image", "format": "png"}, **data_keys}))
-        info = data.read_info(str(image_file), ["image", "tensor", "id"], "label")
+        info = data_scan.read_info(str(image_file), ["image", "tensor", "id"], "label")
         return WorkerPayload(spec, train_data=info, train_root=str(image_file), val_data=info, val_root=str(image_file))
 
     yield payload
@@ -165,7 +166,7 @@ def validation_rows(payload, workers=2, batch=8):
     out = []
     for w, shard in enumerate(data.plan_shards([p.num_rows for p in info.pieces], workers)):
         steps = -(-data.shard_rows(shard) // batch)
-        ds = data.eval_dataset(info, payload.train_root, shard, batch, steps, examples=examples(payload, False), worker=w)
+        ds = pipelines.eval_dataset(info, payload.train_root, shard, batch, steps, examples=examples(payload, False), worker=w)
         out += [(x, y.numpy(), wt.numpy()) for x, y, wt in ds]
     return out
 
@@ -192,7 +193,7 @@ def test_preprocess_runs_per_example_with_training_off_for_validation(tf_side):
     np.testing.assert_array_equal(x["tensor"].numpy()[:, 0, 0, 0], x["id"].numpy())  # training=False: as stored
     info = payload.train_data
     shard = data.plan_shards([p.num_rows for p in info.pieces], 1)[0]
-    ds = data.train_dataset(info, payload.train_root, shard, 8, 6, 0, 3, examples=examples(payload))
+    ds = pipelines.train_dataset(info, payload.train_root, shard, 8, 6, 0, 3, examples=examples(payload))
     x, y = next(iter(ds))
     np.testing.assert_array_equal(x["tensor"].numpy()[:, 0, 0, 0], x["id"].numpy() + 1)  # training=True: +1
 
@@ -203,7 +204,7 @@ def test_per_example_seeds_repeat_run_after_run_and_differ_between_workers(tf_si
     shard = data.plan_shards([p.num_rows for p in info.pieces], 1)[0]
 
     def first_batches(worker):
-        ds = data.train_dataset(info, payload.train_root, shard, 8, 6, 100, 3, examples=examples(payload), worker=worker)
+        ds = pipelines.train_dataset(info, payload.train_root, shard, 8, 6, 100, 3, examples=examples(payload), worker=worker)
         return np.concatenate([x.numpy() for x, _ in ds.take(12)])
 
     a, b = first_batches(0), first_batches(0)
@@ -219,13 +220,13 @@ def test_a_cache_serves_every_row_once_per_pass_without_reading_the_files_again(
     moved = tmp_path / "images.parquet"
     shutil.copy(tf_side().train_root, moved)
     payload = tf_side(cache=cache)
-    info = data.read_info(str(moved), ["image", "tensor", "id"], "label")
+    info = data_scan.read_info(str(moved), ["image", "tensor", "id"], "label")
     shard = data.plan_shards([p.num_rows for p in info.pieces], 1)[0]
     from raytf.actor.examples import Examples
 
     on_disk = tmp_path / "task.cache"
-    ds = data.train_dataset(info, str(moved), shard, 10, 5, 0, 3, worker=1,
-                            examples=Examples(payload, info, True, cache_dir=str(on_disk)))
+    ds = pipelines.train_dataset(info, str(moved), shard, 10, 5, 0, 3, worker=1,
+                                 examples=Examples(payload, info, True, cache_dir=str(on_disk)))
     it = iter(ds)
     ids = [next(it)[0]["id"].numpy() for _ in range(5)]  # the first pass: reads the file, fills the cache
     moved.unlink()  # gone: the next passes come from the cache or not at all
@@ -247,7 +248,7 @@ def test_a_preprocess_that_cannot_be_traced_is_a_clear_error_when_the_pipeline_i
     payload = tf_side(preprocess=f"imgprep:{function}")
     shard = data.plan_shards([p.num_rows for p in payload.train_data.pieces], 1)[0]
     with pytest.raises(PreprocessError, match=says):
-        data.train_dataset(payload.train_data, payload.train_root, shard, 8, 6, 0, 3, examples=examples(payload))
+        pipelines.train_dataset(payload.train_data, payload.train_root, shard, 8, 6, 0, 3, examples=examples(payload))
 
 
 def test_jpeg_columns_decode_too(tmp_path):
@@ -263,10 +264,10 @@ def test_jpeg_columns_decode_too(tmp_path):
     pq.write_table(pa.table({"image": pa.array([encoded] * 4, pa.binary()), "label": [0, 1, 0, 1]}), tmp_path / "j.parquet")
     spec = parse({"name": "j", "model": "m:f", "data": {"train": str(tmp_path / "j.parquet"), "features": ["image"],
                   "label": "label", "decode": {"column": "image", "format": "jpeg", "channels": 1}}})
-    info = data.read_info(str(tmp_path / "j.parquet"), ["image"], "label")
+    info = data_scan.read_info(str(tmp_path / "j.parquet"), ["image"], "label")
     payload = WorkerPayload(spec, train_data=info, train_root=str(tmp_path / "j.parquet"))
-    ds = data.eval_dataset(info, payload.train_root, data.plan_shards([4], 1)[0], 4, 1,
-                           examples=Examples(payload, info, False))
+    ds = pipelines.eval_dataset(info, payload.train_root, data.plan_shards([4], 1)[0], 4, 1,
+                                examples=Examples(payload, info, False))
     x, y, w = next(iter(ds))
     assert x.shape == (4, 16, 24, 1) and abs(int(x[0, 0, 0, 0]) - 200) < 8 and int(x[0, 0, 23, 0]) < 8
 
@@ -292,6 +293,6 @@ def test_a_saved_model_takes_the_raw_columns_and_decodes_and_preprocesses_inside
     served, info = serve_in_a_fresh_process(str(tmp_path / "sm"), feed, tmp_path)
     assert info["raytf_imported"] is False and info["inputs"] == ["id", "image", "tensor"]
     table = pq_.read_table(payload.train_root)
-    rows = tuple(data.to_numpy(table.column(c.name), c) for c in (*payload.train_data.features, payload.train_data.label))
+    rows = tuple(shard_reader.to_numpy(table.column(c.name), c) for c in (*payload.train_data.features, payload.train_data.label))
     expected = keras.ops.convert_to_numpy(model(examples(payload, False).model_input(rows), training=False))
     np.testing.assert_allclose(served, expected, rtol=1e-5, atol=1e-5)

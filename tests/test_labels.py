@@ -13,7 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from raytf import data
+from raytf import data, data_scan
+from raytf.actor import shard_reader
 from raytf.errors import SpecError
 from raytf.job import load
 from raytf.labels import check_label_shape, loss_key
@@ -67,20 +68,20 @@ def one_hot_spec(**sections):
 @pytest.mark.timeout(30)
 def test_label_vectors_are_described_and_read_as_rows_of_their_width(tmp_path):
     path = one_hot_digits(tmp_path, "test")
-    info = data.read_info(path, ["pixels"], "onehot")
+    info = data_scan.read_info(path, ["pixels"], "onehot")
     assert info.label == data.Column("onehot", "float32", (10,)) and info.label.values == "float"
-    columns = [np.concatenate(parts) for parts in zip(*data.iter_shard(info, path, data.plan_shards(
+    columns = [np.concatenate(parts) for parts in zip(*shard_reader.iter_shard(info, path, data.plan_shards(
         [p.num_rows for p in info.pieces], 1)[0]))]
     labels = pq.read_table(DIGITS / "digits-test.parquet").column("label").to_numpy()
     assert columns[1].shape == (360, 10) and columns[1].dtype == np.float32
     assert (columns[1].argmax(axis=1) == labels).all() and (columns[1].sum(axis=1) == 1).all()
 
     regression = regression_digits(tmp_path, "test")  # list<double> of equal lengths: shape from the first row group
-    info = data.read_info(regression, ["pixels"], "target")
+    info = data_scan.read_info(regression, ["pixels"], "target")
     assert info.label == data.Column("target", "float32", (3,))
     (tmp_path / "int").mkdir()
     integer = one_hot_digits(tmp_path / "int", "train", integer=True)
-    assert data.read_info(integer, ["pixels"], "onehot").label.values == "integer"
+    assert data_scan.read_info(integer, ["pixels"], "onehot").label.values == "integer"
 
 
 @pytest.mark.timeout(30)
@@ -88,10 +89,10 @@ def test_string_and_ragged_labels_are_still_refused(tmp_path):
     pq.write_table(pa.table({"x": [1.0, 2.0], "y": ["cat", "dog"]}), tmp_path / "s.parquet")
     with pytest.raises(SpecError, match=r"label 'y' has type string; the label must be numbers: one per row, or a "
                                         r"fixed-size list of them \(map string classes to integer ids first\)"):
-        data.read_info(str(tmp_path / "s.parquet"), ["x"], "y")
+        data_scan.read_info(str(tmp_path / "s.parquet"), ["x"], "y")
     pq.write_table(pa.table({"x": [1.0, 2.0], "y": [[1.0, 0.0], [1.0]]}), tmp_path / "r.parquet")
     with pytest.raises(SpecError, match="column 'y' is ragged"):
-        data.read_info(str(tmp_path / "r.parquet"), ["x"], "y")
+        data_scan.read_info(str(tmp_path / "r.parquet"), ["x"], "y")
 
 
 @pytest.mark.timeout(30)
@@ -175,11 +176,11 @@ def test_the_label_is_checked_against_the_models_output_shape():
 
 @pytest.mark.timeout(30)
 def test_inspect_says_a_one_hot_column_is_a_categorical_label(tmp_path):
-    report = data.inspect_report(one_hot_digits(tmp_path, "test"))
+    report = data_scan.inspect_report(one_hot_digits(tmp_path, "test"))
     assert ("  onehot: fixed_size_list<element: float>[10] -> float32 tensor[10], one-hot over 10 classes in the first "
             "row group (as the label: loss categorical_crossentropy, metric accuracy)") in report
     assert "  pixels: fixed_size_list<element: float>[64] -> float32 tensor[64]\n" in report  # not one-hot
-    regression = data.inspect_report(regression_digits(tmp_path, "test"))
+    regression = data_scan.inspect_report(regression_digits(tmp_path, "test"))
     assert "double> -> float32 tensor[3] (from the first row group)\n" in regression  # not one-hot
 
 

@@ -208,3 +208,41 @@ def test_a_refused_listing_fails_the_fresh_run_guard_and_resume_instead_of_passi
         with pytest.raises(RaytfError, match=rf"^checkpoint\.dir {where}: cannot list its checkpoints \(.*ACCESS"):
             resume_note(where, resume)
     Storage(where).prune(1)  # housekeeping after a save: the save stands, the next save prunes
+
+
+def test_a_restart_whose_checkpoint_listing_fails_fails_the_job_naming_the_folder_never_from_step_0(
+        s3, tmp_path, monkeypatch):
+    """The endpoint goes away after the run started: the restart cannot list checkpoint.dir, and the job fails
+    with that folder and the cause instead of training again from step 0 (the controller stepped over the fakes
+    of tests/fakes.py; the checkpoint folder is real, behind a proxy that starts dropping connections)."""
+    from raytf.driver.controller import Controller
+    from raytf.job import Job, parse
+    from tests.conftest import base_spec
+    from tests.fakes import FakeClock, FakeResources, Script, actor_died
+    from tests.s3_server import FaultProxy
+
+    proxy = FaultProxy(os.environ["AWS_ENDPOINT_URL"])
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    monkeypatch.setenv("RAYTF_STORAGE_TIMEOUT_S", "5")
+    where = f"s3://{s3.bucket()}/ckpts"
+    job = Job(spec=parse(base_spec(output={"dir": str(tmp_path / "out"), "tensorboard": False},
+                                   checkpoint={"dir": where}, failure={"max_restarts": 2})), job_dir=tmp_path)
+    clock = FakeClock()
+
+    def script(attempt, task):
+        if attempt == 1 and task.rank == 1:
+            proxy.fault("drop")  # the store is gone from the first failure on
+            return Script(finish_after=None, fail_after=3.0, error=actor_died())
+        return Script(finish_after=6.0)
+
+    world = FakeResources(clock, script)
+    try:
+        with pytest.raises(RaytfError) as raised:
+            Controller(job, world, env={}, clock=clock).run()
+    finally:
+        proxy.close()
+    said = str(raised.value)
+    assert said.startswith(f"checkpoint.dir {where}: cannot list its checkpoints (") and "\n" not in said
+    assert len(world.payloads) == 1, "no second attempt started (from step 0 or any other)"
+    written = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert written["status"] == "failed" and written["error"] == said

@@ -85,7 +85,7 @@ TF_KERAS_MODEL = KERAS3_MODEL.replace("import keras", "import tf_keras as keras"
 def _payload(job_dir, monkeypatch, model: str | None, train_fn: str | None = None, **train):
     """A chief's payload for digits with output.export [keras, saved_model]: the spec's model function
     (`model`), or none (a train_fn that builds its own model and saves it with ctx.save_model)."""
-    from raytf import data
+    from raytf import data_scan
     from raytf.protocol import WorkerPayload
 
     (job_dir / "k3.py").write_text(KERAS3_MODEL)
@@ -95,7 +95,7 @@ def _payload(job_dir, monkeypatch, model: str | None, train_fn: str | None = Non
                      output={"export": ["keras", "saved_model"]})
     spec = parse({k: v for k, v in spec.items() if v is not None})
     train_file = str(job_dir / "data" / "digits-train.parquet")
-    return WorkerPayload(spec, train_data=data.read_info(train_file, ["pixels"], "label"), train_root=train_file)
+    return WorkerPayload(spec, train_data=data_scan.read_info(train_file, ["pixels"], "label"), train_root=train_file)
 
 
 def _trained_as_if(model, seed: int = 0):

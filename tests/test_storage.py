@@ -108,7 +108,7 @@ def test_a_finished_run_in_a_local_output_dir_is_answered_from_there_by_its_job_
 
 def test_a_run_that_fails_before_its_controller_writes_ends_failed_not_running(tmp_path):
     """(e.g. the job folder's upload failing): result.json says failed, and the attempt why."""
-    from raytf import _close_unfinished
+    from raytf.driver.run import close_unfinished
     from raytf.driver.report import Result
     from raytf.job import Job, parse
 
@@ -117,12 +117,12 @@ def test_a_run_that_fails_before_its_controller_writes_ends_failed_not_running(t
                      attempts=[attempts.begin(1, {"session": "s"}, None)])
     job.output_dir.mkdir()
     (job.output_dir / "result.json").write_text(running.json_text())
-    _close_unfinished(job, running, RuntimeError("the job folder could not be uploaded"))
+    close_unfinished(job, running, RuntimeError("the job folder could not be uploaded"))
     saved = json.loads((job.output_dir / "result.json").read_text())
     assert saved["status"] == "failed" and saved["error"] == "the job folder could not be uploaded"
     assert saved["attempts"][0]["ended_because"] == "failed: the job folder could not be uploaded"
 
-    _close_unfinished(job, Result(name="t", strategy="mirrored", status="running", output_dir=job.output_where,
+    close_unfinished(job, Result(name="t", strategy="mirrored", status="running", output_dir=job.output_where,
                                   attempts=[{}]), KeyboardInterrupt())  # written already: left as it is
     assert json.loads((job.output_dir / "result.json").read_text()) == saved
 

@@ -1,6 +1,7 @@
 """tracking.mlflow without a cluster: what the spec becomes in MLflow, and every way the section can be wrong.
 The runs themselves are checked against a real MLflow server by cluster tests (test_cluster.py: a job and a
 failed job; test_user_paths.py: a sweep's nested runs)."""
+import json
 import os
 import subprocess
 import time
@@ -87,16 +88,22 @@ class RecordedRun:
 
 @pytest.mark.parametrize("raised,status", [(KeyboardInterrupt(), "interrupted"), (OSError("upload refused"), "failed")])
 def test_a_run_that_ends_before_its_controller_runs_is_closed_with_its_status(job_dir, monkeypatch, raised, status):
-    from raytf.driver import controller
+    """The run's lifecycle (raytf.driver.run) closes result.json and the MLflow run whatever ends it, here the
+    job folder's upload or the controller's set-up, before any attempt."""
+    from raytf.driver import controller, run, session
+    from raytf.driver.report import ProgressDisplay
 
     recorded = RecordedRun()
     monkeypatch.setattr(tracking, "open_job_run", lambda job, say, parent=None: recorded)
+    monkeypatch.setattr(session, "cluster_identity", lambda: {"session": "s", "address": "a"})
 
-    def refuse(*args, **kwargs):  # the job folder's upload, or the controller's set-up, ends the run
+    def refuse(*args, **kwargs):
         raise raised
 
-    monkeypatch.setattr(controller, "Controller", refuse)
+    monkeypatch.setattr(controller, "start", refuse)
     job = load(write_job(job_dir, base_spec(tracking={"mlflow": {"uri": "http://127.0.0.1:9"}})), check_code=False)
     with pytest.raises(type(raised)):
-        controller.run(job, resources=object(), code_env={})
-    assert recorded.calls == [("artifacts", []), ("end", status)]  # no result.json was written: none is logged
+        run.execute(job, resume=False, display=ProgressDisplay(quiet=True), code_env={})
+    written = json.loads((job.output_dir / "result.json").read_text())
+    assert written["status"] == status and written["attempts"][0]["ended_because"].startswith(status)
+    assert recorded.calls == [("artifacts", ["result.json"]), ("end", status)]  # the closed result.json logged

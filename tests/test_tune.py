@@ -12,7 +12,7 @@ import yaml
 from click.testing import CliRunner
 
 import raytf
-from raytf import learning_rate, sweep, sweep_report
+from raytf import learning_rate, sweep, sweep_capacity, sweep_report
 from raytf.cli import main
 from raytf.errors import SpecError
 from raytf.job import apply_overrides, load, parse
@@ -165,16 +165,16 @@ NODES = [{"CPU": 1.0, "memory": 1e9}, {"CPU": 1.0, "GPU": 2.0}, {"CPU": 1.0, "GP
     ([{"CPU": 0.5, "GPU": 3}], "PACK", 0),  # no node has 3 GPUs
 ])
 def test_trials_that_fit_follow_the_placement_strategy(bundles, strategy, expected):
-    assert sweep.trials_that_fit(NODES, bundles, strategy) == expected
+    assert sweep_capacity.trials_that_fit(NODES, bundles, strategy) == expected
 
 
 @pytest.mark.timeout(10)
 def test_auto_concurrency_sizes_for_the_largest_trial_and_the_number_of_trials():
     small, large = ([{"CPU": 0.5}] * 2, "PACK"), ([{"CPU": 0.5}] * 4, "PACK")
-    assert sweep.auto_concurrency(NODES, [small], num_trials=10) == 3
-    assert sweep.auto_concurrency(NODES, [small, large], num_trials=10) == 1  # 2 CPUs a trial: one at a time
-    assert sweep.auto_concurrency(NODES, [small], num_trials=2) == 2
-    assert sweep.auto_concurrency(NODES, [([{"CPU": 4}], "PACK")], num_trials=2) == 0
+    assert sweep_capacity.auto_concurrency(NODES, [small], num_trials=10) == 3
+    assert sweep_capacity.auto_concurrency(NODES, [small, large], num_trials=10) == 1  # 2 CPUs a trial: one at a time
+    assert sweep_capacity.auto_concurrency(NODES, [small], num_trials=2) == 2
+    assert sweep_capacity.auto_concurrency(NODES, [([{"CPU": 4}], "PACK")], num_trials=2) == 0
 
 
 @pytest.mark.timeout(10)

@@ -1,5 +1,5 @@
-"""What a worker feeds its model: the plan of an epoch's input (steps, each worker's shards, the tf.data
-pipelines) from the Parquet metadata, and one sample row as the model takes it (to build variables and the
+"""What a worker feeds its model: the plan of an epoch's input (steps, each worker's shards, the dataset
+functions over raytf.actor.pipelines) from the Parquet metadata, and one sample row as the model takes it (to build variables and the
 serving signature). Shared by raytf's loop, a train_fn's ctx.dataset and the export.
 """
 from __future__ import annotations
@@ -11,6 +11,7 @@ import tensorflow as tf
 
 from raytf import data
 from raytf.protocol import WorkerPayload
+from raytf.actor import pipelines, shard_reader
 from raytf.actor.examples import Examples
 from raytf.data import Column
 from raytf.spec import JobSpec
@@ -65,11 +66,11 @@ class InputPlan:
 
         def dataset_fn(input_context: tf.distribute.InputContext):
             shard = self.train_shards[input_context.input_pipeline_id]
-            ds = data.train_dataset(p.train_data, p.train_root, shard, self.per_replica,
-                                    self.steps * self.local_replicas * self.micro_batches, self.shuffle_buffer,
-                                    seed, first_epoch=first_epoch, pad=self.pad, micro_batches=self.micro_batches,
-                                    examples=self._examples(p.train_data, training=True),
-                                    worker=input_context.input_pipeline_id)
+            ds = pipelines.train_dataset(p.train_data, p.train_root, shard, self.per_replica,
+                                         self.steps * self.local_replicas * self.micro_batches, self.shuffle_buffer,
+                                         seed, first_epoch=first_epoch, pad=self.pad, micro_batches=self.micro_batches,
+                                         examples=self._examples(p.train_data, training=True),
+                                         worker=input_context.input_pipeline_id)
             return ds.skip(skip_batches * self.local_replicas) if skip_batches else ds
 
         return dataset_fn
@@ -80,10 +81,10 @@ class InputPlan:
 
         def dataset_fn(input_context: tf.distribute.InputContext):
             shard = self.val_shards[input_context.input_pipeline_id]
-            return data.eval_dataset(p.val_data, p.val_root, shard, self.per_replica,
-                                     self.val_steps * self.local_replicas, repeat=repeat,
-                                     examples=self._examples(p.val_data, training=False),
-                                     worker=input_context.input_pipeline_id)
+            return pipelines.eval_dataset(p.val_data, p.val_root, shard, self.per_replica,
+                                          self.val_steps * self.local_replicas, repeat=repeat,
+                                          examples=self._examples(p.val_data, training=False),
+                                          worker=input_context.input_pipeline_id)
 
         return dataset_fn
 
@@ -122,5 +123,5 @@ def sample_input(payload) -> Any:
     features = payload.train_data.features
     if not payload.spec.data.per_example:
         return model_input(features, zero_row(features))
-    rows = next(data.iter_shard(payload.train_data, payload.train_root, [data.Slice(0, 0, 1)]))
+    rows = next(shard_reader.iter_shard(payload.train_data, payload.train_root, [data.Slice(0, 0, 1)]))
     return Examples(payload, payload.train_data, training=False).model_input(rows)

@@ -28,7 +28,7 @@ from raytf.actor.context import StopTraining, TaskContext
 from raytf.protocol import CheckpointSaved, DrainStop, Outcome, WorkerPayload
 from raytf.actor.inputs import InputPlan
 from raytf.checkpoint import Storage
-from raytf.job_code import LEGACY_INSTALL
+from raytf.spec import LEGACY_INSTALL
 
 # What TF 2.21 raises when Keras 3's model.fit runs under MultiWorkerMirroredStrategy.
 KERAS3_FIT_ERROR = "Attempt to convert a value (PerReplica"

@@ -34,7 +34,7 @@ from tensorflow.python.distribute.coordinator.cluster_coordinator import (
 from tensorflow.python.distribute.sharded_variable import ShardedVariable
 
 from raytf import data
-from raytf.actor import export, loop
+from raytf.actor import export, loop, pipelines
 from raytf.actor import inputs, ps_own_loop
 from raytf.actor.ps_common import CHIEF_DEVICE, WORKER_INDEX_FILE, partitioner, watch_recoveries
 from raytf.actor import steps as steps_lib
@@ -82,8 +82,8 @@ def variable_devices(model: keras.Model) -> dict[str, list[str]]:
 
 
 def prepare(task, payload: WorkerPayload, ctx: TaskContext) -> None:
-    """A worker's shard of the training data as local TFRecords (see raytf.data), and its staging folder
-    as the working directory: the pipeline the chief builds reads them by a relative path, with TF ops
+    """A worker's shard of the training data as local TFRecords (see raytf.actor.pipelines), and its staging
+    folder as the working directory: the pipeline the chief builds reads them by a relative path, with TF ops
     only (a pipeline that calls back into Python cannot run on a remote TF worker). Without data (a
     dataset_fn, or a train_fn that reads its own), the working directory stays the job's."""
     if task.role != "worker" or payload.train_data is None:
@@ -92,7 +92,8 @@ def prepare(task, payload: WorkerPayload, ctx: TaskContext) -> None:
     info = payload.train_data
     shard = data.plan_shards([p.num_rows for p in info.pieces], payload.spec.cluster.workers)[task.index]
     try:
-        data.write_records(info, payload.train_root, shard, os.path.join(ctx.staging_dir, data.RECORDS_DIR, "train"))
+        pipelines.write_records(info, payload.train_root, shard,
+                                os.path.join(ctx.staging_dir, pipelines.RECORDS_DIR, "train"))
     except ValueError as exc:
         raise ValueError(f"worker {task.index}: {exc}") from None
     with open(os.path.join(ctx.staging_dir, WORKER_INDEX_FILE), "w") as f:
@@ -161,9 +162,10 @@ class ParameterServerRunner:
                 return tf.data.Dataset.zip((batches, tf.data.Dataset.from_tensors(-1).repeat()))
             # Runs on each worker: its own index file, so every step says which worker ran it.
             index = tf.strings.to_number(tf.io.read_file(WORKER_INDEX_FILE), tf.int32)
-            batches = data.record_dataset(info, f"{data.RECORDS_DIR}/train", global_batch, spec.train.shuffle_buffer,
-                                          seed, micro_batches=spec.train.accumulation_steps, examples=examples,
-                                          worker=index)
+            batches = pipelines.record_dataset(info, f"{pipelines.RECORDS_DIR}/train", global_batch,
+                                               spec.train.shuffle_buffer, seed,
+                                               micro_batches=spec.train.accumulation_steps, examples=examples,
+                                               worker=index)
             return tf.data.Dataset.zip((batches, tf.data.Dataset.from_tensors(index).repeat()))
 
         per_worker = coordinator.create_per_worker_dataset(worker_dataset)
@@ -353,8 +355,8 @@ def _validation(payload: WorkerPayload, batch: int, cache_dir: str):
     shard = data.plan_shards([p.num_rows for p in info.pieces], 1)[0]
     steps = max(1, math.ceil(info.num_rows / batch))
     with tf.device(CHIEF_DEVICE):
-        dataset = data.eval_dataset(info, payload.val_root, shard, batch, steps, repeat=True,
-                                    examples=_val_examples(payload, cache_dir))
+        dataset = pipelines.eval_dataset(info, payload.val_root, shard, batch, steps, repeat=True,
+                                         examples=_val_examples(payload, cache_dir))
         iterator = iter(dataset)
 
     def validate(eval_step) -> np.ndarray:
@@ -384,8 +386,8 @@ def run_evaluator(payload: WorkerPayload, ctx: TaskContext) -> Outcome:
     batch = spec.train.global_batch_size
     shard = data.plan_shards([p.num_rows for p in info.pieces], 1)[0]
     val_steps = max(1, math.ceil(info.num_rows / batch))
-    iterator = iter(data.eval_dataset(info, payload.val_root, shard, batch, val_steps, repeat=True,
-                                      examples=_val_examples(payload, ctx.staging_dir + ".cache")))
+    iterator = iter(pipelines.eval_dataset(info, payload.val_root, shard, batch, val_steps, repeat=True,
+                                           examples=_val_examples(payload, ctx.staging_dir + ".cache")))
 
     @tf.function
     def eval_step(x, y, w):

@@ -7,11 +7,11 @@ import logging
 
 import tensorflow as tf
 
-from raytf import data
+from raytf.actor import pipelines
 from raytf.spec import JobSpec, PartitionerSpec
 
 CHIEF_DEVICE = "/job:chief/replica:0/task:0/device:CPU:0"
-WORKER_INDEX_FILE = f"{data.RECORDS_DIR}/worker-index"
+WORKER_INDEX_FILE = f"{pipelines.RECORDS_DIR}/worker-index"
 
 
 def partitioner(spec: JobSpec):

@@ -24,7 +24,7 @@ from typing import Any
 import tensorflow as tf
 
 from raytf import data
-from raytf.actor import own_loop
+from raytf.actor import own_loop, pipelines
 from raytf.actor import inputs
 from raytf.actor.context import TaskContext
 from raytf.protocol import Outcome, WorkerPayload
@@ -123,14 +123,14 @@ class ParameterServerOwnLoop(own_loop.OwnLoop):
         """This worker's records, endlessly, in batches of ctx.per_replica_batch_size (the global batch on
         CPU workers). Dataset ops only, so it can be built on the chief and run on a worker."""
         spec, info = self.payload.spec, self.payload.train_data
-        folder, batch = f"{data.RECORDS_DIR}/train", self.per_replica_batch_size
+        folder, batch = f"{pipelines.RECORDS_DIR}/train", self.per_replica_batch_size
         if self.examples is None:
-            return data.record_dataset(info, folder, batch, spec.train.shuffle_buffer, seed)
+            return pipelines.record_dataset(info, folder, batch, spec.train.shuffle_buffer, seed)
         # The per-example seeds need this worker's index: read inside the pipeline, on the worker.
         index = tf.data.Dataset.from_tensors(WORKER_INDEX_FILE).map(
             lambda path: tf.strings.to_number(tf.io.read_file(path), tf.int32))
-        return index.flat_map(lambda worker: data.record_dataset(info, folder, batch, spec.train.shuffle_buffer, seed,
-                                                                 examples=self.examples, worker=worker))
+        return index.flat_map(lambda worker: pipelines.record_dataset(info, folder, batch, spec.train.shuffle_buffer,
+                                                                      seed, examples=self.examples, worker=worker))
 
     def _validation(self) -> tf.data.Dataset:
         p = self.payload
@@ -138,8 +138,8 @@ class ParameterServerOwnLoop(own_loop.OwnLoop):
         shard = data.plan_shards([piece.num_rows for piece in info.pieces], 1)[0]
         examples = Examples(p, info, False, self.ctx.staging_dir + ".cache") if p.spec.data.per_example else None
         with tf.device(CHIEF_DEVICE):
-            return data.eval_dataset(info, p.val_root, shard, p.spec.train.global_batch_size, self.validation_steps,
-                                     repeat=False, examples=examples)
+            return pipelines.eval_dataset(info, p.val_root, shard, p.spec.train.global_batch_size,
+                                          self.validation_steps, repeat=False, examples=examples)
 
     def checkpoint_settings(self) -> dict[str, Any]:
         # The chief writes every variable (TF would otherwise write each one's part on its ps host), once

@@ -5,48 +5,33 @@ the policies (raytf.driver.policy: restarts, elastic sizes, replacements, hangs,
 is the `Resources` and `WorkerGroup` interfaces (raytf.driver.group; Ray's implementation in raytf.driver.ray_group,
 an in-memory one in tests/fakes.py) and an injected clock, so a unit test can step a job without Ray or TensorFlow. What
 differs between strategies is asked of the job's backend (raytf.backends); node drains are watched by
-raytf.driver.drain. The controller owns every
-actor and placement group it creates and frees them on every path out (success, failure, Ctrl-C).
+raytf.driver.drain; what result.json says is raytf.driver.result_record. The controller owns every actor and
+placement group it creates and frees them on every path out (success, failure, Ctrl-C).
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
-from raytf import backends, tracking
-from raytf.protocol import Outcome, Progress, WorkerPayload
-from raytf.checkpoint import Storage, resume_note
-from raytf.driver import attempts as run_attempts
+from raytf import backends
+from raytf.checkpoint import UNLISTED, Storage
 from raytf.driver import failure as failure_lib
+from raytf.driver import result_record
+from raytf.driver.attempt import Attempt, EpochFeed, Rate, Replacement, build_payload
+from raytf.driver.callbacks import Callback
 from raytf.driver.drain import DrainWatch
 from raytf.driver.failure import Failure
 from raytf.driver.group import Finished, Resources, TaskError, WorkerGroup
 from raytf.driver.packaging import runtime_env, upload_code
-from raytf.driver.policy import (
-    Limits,
-    Heard,
-    ReplacementPolicy,
-    RestartPolicy,
-    ScalingPolicy,
-    spec_for_workers,
-    elastic_batch,
-    heard,
-    peer_grace_s,
-    stalled,
-)
-from raytf.driver import stragglers
-from raytf.driver.report import ProgressDisplay, Result, summary_table, worker_lines, write_artifacts
-from raytf.errors import (
-    PlacementTimeout,
-    PortTaken,
-    TrainingFailed,
-    WorkerStartupError,
-)
-from raytf.rendezvous import Task
+from raytf.driver.policy import (Heard, Limits, ReplacementPolicy, RestartPolicy, ScalingPolicy, elastic_batch, heard,
+                                 hung_ranks, peer_grace_s, spec_for_workers)
+from raytf.driver.report import ProgressDisplay, Result
+from raytf.errors import PlacementTimeout, PortTaken, TrainingFailed, WorkerStartupError
 from raytf.job import Job
+from raytf.protocol import Outcome
+from raytf.rendezvous import Task
 
 PLACING, STARTING, RUNNING, RESTARTING, DONE, FAILED = "placing", "starting", "running", "restarting", "done", "failed"
 
@@ -59,115 +44,27 @@ class WallClock:
         return time.time()
 
 
-def build_payload(job: Job) -> WorkerPayload:
-    spec = job.spec
-    if spec.data is None:
-        return WorkerPayload(spec=spec, checkpoint_dir=job.checkpoint_dir, job_dir=str(job.job_dir))
-    val = spec.data.validation
-    return WorkerPayload(
-        spec=spec, job_dir=str(job.job_dir),
-        train_data=job.datasets.get("train"), train_root=job.actor_data_path(spec.data.train),
-        val_data=job.datasets.get("validation"), val_root=job.actor_data_path(val) if val else None,
-        checkpoint_dir=job.checkpoint_dir,
-    )
-
-
-class EpochFeed:
-    """Hands each finished epoch's metrics, once and in order, to the display and to `on_epoch`
-    (Ray Tune's report, for instance), across restarts."""
-
-    def __init__(self, display: ProgressDisplay, on_epoch: Callable[[dict[str, Any]], None] | None):
-        self.display, self.on_epoch, self.last = display, on_epoch, 0
-        self.history: list[dict[str, Any]] = []  # every epoch fed, in order
-
-    def feed(self, epochs: list[dict[str, Any]]) -> None:
-        for metrics in epochs:
-            if metrics.get("epoch", 0) > self.last:
-                self.last = metrics["epoch"]
-                self.history.append(dict(metrics))
-                self.display.epoch(metrics)
-                if self.on_epoch is not None:
-                    self.on_epoch(dict(metrics))
-
-
-class _Rate:
-    """examples/s from the chief's running example count."""
-
-    def __init__(self):
-        self._prev: tuple[float, int] | None = None
-        self.value: float | None = None
-
-    def update(self, p: Progress | None) -> float | None:
-        if p is None or p.examples_seen is None:
-            return self.value
-        point = (p.updated, p.examples_seen)
-        if self._prev and point[0] > self._prev[0] and point[1] > self._prev[1]:
-            self.value = (point[1] - self._prev[1]) / (point[0] - self._prev[0])
-        if not self._prev or point[1] != self._prev[1]:
-            self._prev = point
-        return self.value
-
-
-class _Replacement:
-    """A new actor for a dead task, in its bundle and at its address (TF's cluster is fixed at start),
-    started in a thread so the supervisor keeps watching meanwhile. `handle`: its train handle once set up."""
-
-    def __init__(self, group: WorkerGroup, task: Task, payload: WorkerPayload, loss: dict):
-        self.task, self.loss = task, loss
-        self.handle, self.error = None, None
-        self._thread = threading.Thread(target=self._run, args=(group, payload), daemon=True)
-        self._thread.start()
-
-    @property
-    def finished(self) -> bool:
-        return not self._thread.is_alive()
-
-    def _run(self, group: WorkerGroup, payload: WorkerPayload) -> None:
-        try:
-            self.handle = group.replace(self.task, payload, payload.spec.cluster.start_timeout_s)
-        except Exception as exc:
-            self.error = str(exc)
-
-
-@dataclasses.dataclass
-class _Attempt:
-    """What one attempt holds while it runs."""
-
-    spec: Any
-    payload: WorkerPayload
-    bundles: list[dict[str, float]]
-    group: WorkerGroup | None = None
-    rendezvous_tries: int = 0
-    tasks: list[Task] = dataclasses.field(default_factory=list)
-    task_of: dict = dataclasses.field(default_factory=dict)  # train handle -> task
-    awaited: list = dataclasses.field(default_factory=list)  # handles the attempt waits for
-    side: list = dataclasses.field(default_factory=list)  # handles not waited for whose failure is handled
-    outcomes: dict[int, Outcome] = dataclasses.field(default_factory=dict)  # by rank
-    progress_seen: dict[int, Heard] = dataclasses.field(default_factory=dict)  # watched rank -> its last progress
-    training_done_at: float | None = None  # every hang-watched task returned (an evaluator may go on)
-    replacing: list[_Replacement] = dataclasses.field(default_factory=list)
-    replacements: ReplacementPolicy | None = None
-    standby_armed: bool = False
-    drains: DrainWatch | None = None  # its nodes' drain notices (raytf.driver.drain)
-    last_step: int = 0  # the furthest optimizer step any rank reported
-
-
 class Controller:
+    """`callbacks` watch the run (raytf.driver.callbacks): each state entered, each epoch. `first_checkpoint`:
+    the checkpoint a resumed run starts from, when the caller has listed checkpoint.dir already (the folder
+    is then listed again only for a restart)."""
+
     def __init__(self, job: Job, resources: Resources, *, env: dict[str, Any], limits: Limits = Limits(),
                  clock=WallClock, display: ProgressDisplay | None = None, resume: bool = False,
-                 on_epoch: Callable[[dict[str, Any]], None] | None = None, placement_group=None,
-                 attempts: list[dict[str, Any]] | None = None, series=None):
+                 callbacks: Sequence[Callback] = (), placement_group=None,
+                 attempts: list[dict[str, Any]] | None = None, first_checkpoint=UNLISTED):
         self.job, self.spec = job, job.spec
-        self.series = series  # the job's Prometheus series (raytf.metrics.JobSeries), or None
+        self.callbacks = list(callbacks)
         self.backend = backends.get(self.spec.strategy)
         self.resources, self.env, self.limits, self.clock = resources, env, limits, clock
         self.display = display or ProgressDisplay(quiet=True)
-        self.epochs = EpochFeed(self.display, on_epoch)
+        self.epochs = EpochFeed(self.display, self.callbacks)
         self.resume = resume
+        self.first_checkpoint = first_checkpoint
         self.given_pg, self.pg = placement_group, placement_group
         self.restart_policy = RestartPolicy(self.spec.failure.max_restarts)
         self.scaling = ScalingPolicy(self.spec, limits, self.backend.supports_elastic)
-        self.storage = _checkpoint_storage(job, resume)
+        self.storage = None if job.checkpoint_dir is None else Storage(job.checkpoint_dir)
         self.base_payload = build_payload(job)
         self.bad_checkpoints: set[str] = set()
         self.started = clock.now()
@@ -176,11 +73,11 @@ class Controller:
         self.decisions: list[dict[str, Any]] = []  # one per failed attempt: what happened, what was done
         self.worker_losses: list[dict[str, Any]] = []
         self.state = PLACING
-        self.attempt: _Attempt | None = None
+        self.attempt: Attempt | None = None
         self.failure: tuple[Failure, list[str]] | None = None
         self.error: BaseException | None = None
         self._phase_started = self.started
-        self._rate = _Rate()
+        self._rate = Rate()
         self._checkpoint_s: float | None = None  # how long the last checkpoint-now took
 
     # ---------------------------------------------------------------- driving
@@ -196,8 +93,6 @@ class Controller:
             self._stop_group()
             self._record_failure(exc)
             self._write()
-            if self.series is not None:
-                self.series.state("interrupted" if isinstance(exc, KeyboardInterrupt) else FAILED)
             raise
         finally:
             self.resources.release_standby()
@@ -209,8 +104,8 @@ class Controller:
     def step(self) -> str:
         """Advance one state; returns the new one."""
         {PLACING: self._place, STARTING: self._start, RUNNING: self._supervise, RESTARTING: self._decide}[self.state]()
-        if self.series is not None:
-            self.series.state(self.state)
+        for callback in self.callbacks:
+            callback.on_state(self.state)
         return self.state
 
     # ---------------------------------------------------------------- states
@@ -236,10 +131,13 @@ class Controller:
             else:
                 workers = self.attempt.spec.cluster.workers
         attempt_spec = spec_for_workers(spec, workers)
-        resume_from = (self.storage.latest(exclude=self.bad_checkpoints)
-                       if self.storage and (self.resume or self.decisions) else None)
+        if self.decisions or self.first_checkpoint is UNLISTED:
+            resume_from = (self.storage.latest(exclude=self.bad_checkpoints)
+                           if self.storage and (self.resume or self.decisions) else None)
+        else:  # the first attempt: from the caller's listing
+            resume_from = self.first_checkpoint if self.resume else None
         payload = dataclasses.replace(self.base_payload, spec=attempt_spec, resume_from=resume_from)
-        self.attempt = _Attempt(attempt_spec, payload, backend.bundles(attempt_spec),
+        self.attempt = Attempt(attempt_spec, payload, backend.bundles(attempt_spec),
                                 replacements=ReplacementPolicy(attempt_spec.cluster.workers, self.limits),
                                 drains=DrainWatch(spec, backend, self.resources, self.limits, self.display,
                                                   can_save=self.storage is not None,
@@ -376,7 +274,7 @@ class Controller:
         for i, finished in enumerate(returned):
             if self._returned(finished, returned[i + 1:]):
                 return  # the attempt ended
-        self._collect_replacements()
+        a.collect_replacements(self.display.message)
         if not a.awaited:
             return self._finish()
         progress = a.group.progress(self.limits.progress_timeout_s)
@@ -398,17 +296,7 @@ class Controller:
             if drained is not None:  # the attempt ends for a draining node
                 return self._attempt_failed(drained, a.drains.node_ips)
             watched = {r: seen.at for r, seen in a.progress_seen.items() if r not in a.outcomes}
-            hung = sorted(stalled({r: at for r, at in watched.items() if r not in before_first}, now, hang_timeout_s)
-                          + stalled({r: at for r, at in watched.items() if r in before_first}, now,
-                                    max(hang_timeout_s, self.limits.first_step_s)))
-            if hung and set(hung) <= before_first:
-                message = (f"training hung: no first step from {self.backend.who(hung)} for "
-                           f"{max(hang_timeout_s, self.limits.first_step_s):g}s, computing or not (a data.preprocess "
-                           f"or input that never returns; failure.hang_timeout_s, at least "
-                           f"{self.limits.first_step_s:g}s for the first step)")
-            elif hung:
-                message = (f"training hung: no progress from {self.backend.who(hung)} for {hang_timeout_s:g}s "
-                           f"(failure.hang_timeout_s)")
+            hung, message = hung_ranks(watched, before_first, now, hang_timeout_s, self.limits, self.backend.who)
             if hung:
                 return self._attempt_failed(Failure("hang", message, tuple(hung), {message: hung}),
                                             sorted({a.tasks[r].node_ip for r in hung}))
@@ -466,7 +354,7 @@ class Controller:
             self.display.message(f"raytf: {task.role} {task.index} on {task.node_ip} lost ({loss['cause']}); "
                                  f"the other {task.role}s go on")
             if a.replacements.replace(training_done=a.training_done_at is not None):
-                a.replacing.append(_Replacement(a.group, task, a.payload, loss))
+                a.replacing.append(Replacement(a.group, task, a.payload, loss))
             return False
         self._fatal(task, finished.error, with_it)
         return True
@@ -478,33 +366,16 @@ class Controller:
         aggregate: root cause first, identical errors grouped by rank."""
         a = self.attempt
         fatal = lambda handle: self.backend.supervision[a.task_of[handle].role].on_failure == "fatal"  # noqa: E731
-        errors = [_rank_error(task.rank, error)]
-        errors += [_rank_error(a.task_of[f.handle].rank, f.error) for f in with_it if f.error and fatal(f.handle)]
+        rank_of = lambda handle: a.task_of[handle].rank  # noqa: E731
+        errors = [failure_lib.rank_error(task.rank, error)]
+        errors += [failure_lib.rank_error(rank_of(f.handle), f.error) for f in with_it if f.error and fatal(f.handle)]
         seen = {f.handle for f in with_it}
         pending = [h for h in a.awaited + a.side if h not in seen and fatal(h)]
-        deadline = self.clock.now() + peer_grace_s(errors[0].kind, self.limits)
-        while pending:
-            for finished in a.group.wait(pending, max(0.0, deadline - self.clock.now())):
-                pending.remove(finished.handle)
-                if finished.error is not None:
-                    errors.append(_rank_error(a.task_of[finished.handle].rank, finished.error))
-            if self.clock.now() >= deadline:
-                break
+        errors += failure_lib.errors_within(pending, a.group.wait, rank_of, self.clock,
+                                            peer_grace_s(errors[0].kind, self.limits))
         failure = failure_lib.aggregate(errors)
         failure = dataclasses.replace(failure, message=self.backend.failed_task(task) + failure.message)
         self._attempt_failed(failure, sorted({a.tasks[r].node_ip for r in failure.ranks}) or [task.node_ip])
-
-    def _collect_replacements(self) -> None:
-        a = self.attempt
-        for replacement in [r for r in a.replacing if r.finished]:
-            a.replacing.remove(replacement)
-            if replacement.handle is not None:
-                replacement.loss["replaced"] = True
-                a.task_of[replacement.handle] = replacement.task
-                a.side.append(replacement.handle)
-            self.display.message(f"raytf: {replacement.task.role} {replacement.task.index} " +
-                                 (f"is back at {replacement.task.address}" if replacement.handle is not None
-                                  else f"could not be brought back ({replacement.error})"))
 
     def _attempt_failed(self, failure: Failure, nodes: list[str] | None = None) -> None:
         a = self.attempt
@@ -532,11 +403,7 @@ class Controller:
         resumed = self.attempt.payload.resume_from
         if failure.kind == "checkpoint" and resumed is not None:
             self.bad_checkpoints.add(resumed.path)
-        now = self.clock.now()
-        self.decisions.append({"at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(now)), "time": round(now, 3),
-                               "kind": failure.kind, "reason": failure.message, "ranks": list(failure.ranks),
-                               "nodes": nodes, "resumed_from_step": None, "charged": decision.charged,
-                               **failure.details})
+        self.decisions.append(result_record.restart(failure, nodes, self.clock.now(), decision.charged))
         self.display.message(f"raytf: attempt failed: {failure.message}; {decision.reason}")
         self.state = PLACING
 
@@ -550,81 +417,18 @@ class Controller:
         if self.decisions:  # when training was back on its feet after the last failure
             self.decisions[-1]["first_step_at"] = chief.first_step_at
         self.epochs.feed(chief.history)  # the epochs that ended after the last poll
-        for rank, outcome in a.outcomes.items():
-            write_artifacts(self.job.output_dir, outcome.artifacts)
-            a.outcomes[rank] = dataclasses.replace(outcome, artifacts={})  # written: not held in memory twice
-        result.status = "succeeded"
-        result.history = chief.history
-        result.variable_devices = chief.variable_devices
-        recovered = chief.recovered_workers
-        for loss in self.worker_losses:  # the coordinator took the replacement back
-            loss["rejoined"] = any(d.endswith(f"/job:worker/replica:0/task:{loss['worker']}") for d in recovered)
-        evaluator = [a.outcomes.get(t.rank, Outcome()) for t in a.tasks if t.role == "evaluator"]
-        if evaluator:
-            result.evaluations = evaluator[0].evaluations
-            _merge_evaluations(result.history, result.evaluations)
-        result.tasks = self._task_entries(a)
-        timing = {}  # "worker-<i>" -> its input wait and step time (each mirrored worker's own; the PS chief's)
-        for outcome in a.outcomes.values():
-            timing.update(outcome.timing)
-        for task, entry in zip(a.tasks, result.tasks):
-            if task.role == "worker":
-                entry.update(timing.get(f"worker-{task.index}", {}))
-        train_s = None
-        if chief.first_step_at:
-            result.time_to_first_step_s = round(chief.first_step_at - self.started, 3)
-            train_s = chief.finished_at - chief.first_step_at
-            steps_after_first = max((chief.steps_run or 0) - 1, 0)
-            if train_s > 0 and steps_after_first:
-                result.examples_per_s = round(steps_after_first * spec.train.effective_batch_size / train_s, 1)
-        synchronous = self.backend.synchronous_steps
-        result.stragglers = stragglers.find([e for e in result.tasks if "timed_steps" in e], train_s, synchronous)
-        result.exports = {fmt: self.job.output_location(rel) for fmt, rel in chief.exports.items()}
-        result.model_path = result.exports.get("keras")
-        result.model_load = chief.load_note
-        tb_written = (self.job.output_dir / "tensorboard").exists()
-        result.tensorboard_dir = self.job.output_location("tensorboard") if tb_written else None
+        result_record.succeeded(result, self.job, self.backend, a.tasks, a.outcomes, self.worker_losses,
+                                self.started)
         self._write()
-        self.display.message(summary_table(result.history))
-        for hint in _train_fn_hints(spec, result):
-            self.display.message(hint)
-        if result.model_load:
-            self.display.message(f"raytf: {result.model_load}")
-        if any(t.get("timed_steps") for t in result.tasks):
-            self.display.message(worker_lines(result.tasks))
-        for slow in result.stragglers:
-            self.display.message("raytf: " + stragglers.describe(slow, synchronous))
+        for line in result_record.summary(spec, result, self.backend.synchronous_steps):
+            self.display.message(line)
         self.state = DONE
 
     # ---------------------------------------------------------------- helpers
 
-    def _task_entries(self, a: _Attempt) -> list[dict[str, Any]]:
-        """result.json's tasks: where each ran, and what it returned (nothing yet, for a failed attempt)."""
-        none = Outcome()
-        return [dict(rank=t.rank, role=self.backend.role_name(t), index=t.index, node_ip=t.node_ip,
-                     node_id=t.node_id, address=t.address, gpu_ids=list(t.gpu_ids),
-                     cuda_visible_devices=t.cuda_visible_devices,
-                     weights_digest=a.outcomes.get(t.rank, none).weights_digest,
-                     steps=a.outcomes.get(t.rank, none).steps,
-                     optimizer_steps=a.outcomes.get(t.rank, none).optimizer_steps)
-                for t in a.tasks]
-
     def _record_failure(self, exc: BaseException) -> None:
-        """A job that ends without success keeps what it did: the epochs it finished (across restarts),
-        the tasks of its last attempt, the error and, where a task raised it, its traceback."""
-        result = self.result
-        if isinstance(exc, KeyboardInterrupt):  # Ctrl-C, or SIGTERM (raytf.cli makes it one)
-            result.status = "interrupted"
-            result.error = "interrupted"
-        else:
-            result.error = str(exc)
-        result.traceback = getattr(exc, "traceback", None)
-        if not result.history:
-            result.history = list(self.epochs.history)
-        if not result.tasks and self.attempt is not None and self.attempt.tasks:
-            result.tasks = self._task_entries(self.attempt)
-        for entry in result.tasks:  # every failing rank's own error and traceback, not only the root cause's
-            entry.update(getattr(exc, "per_rank", {}).get(entry.get("rank"), {}))
+        result_record.failed(self.result, exc, self.epochs.history, self.backend,
+                             self.attempt.tasks if self.attempt is not None else [], self.attempt)
 
     def _arm_standby(self) -> None:
         a = self.attempt
@@ -655,115 +459,35 @@ class Controller:
         self._phase_started = now
 
     def _write(self) -> None:
-        """result.json; its restarts and worker losses come from the controller's logs."""
-        self.result.wall_s = round(self.clock.now() - self.started, 3)
-        self.result.restarts = [{k: v for k, v in d.items() if k != "charged"} for d in self.decisions]
-        self.result.worker_losses = list(self.worker_losses)
-        if self.result.attempts:
-            run_attempts.end(self.result.attempts[-1], self.result.status, self.result.error)
+        result_record.close(self.result, self.decisions, self.worker_losses, self.clock.now() - self.started)
         self.result.write(self.job.output_dir)
 
 
-def run(job: Job, group_cls: Callable[..., WorkerGroup] | None = None,
-        display: ProgressDisplay | None = None, resume: bool = False,
-        on_epoch: Callable[[dict[str, Any]], None] | None = None, placement_group=None,
-        code_env: dict[str, Any] | None = None, verbose: bool = False,
-        resources: Resources | None = None, clock=WallClock, limits: Limits = Limits(),
-        attempts: list[dict[str, Any]] | None = None, tracking_parent: str | None = None,
-        keep_processes: bool = False) -> Result:
-    """Attempts until one succeeds or the restart policy gives up: each attempt reserves (or re-uses the
-    held placement group), starts, trains and tears down; a restart resumes from the latest checkpoint.
-
-    `on_epoch(metrics)` is called once per finished epoch. `placement_group`: run in a group someone
-    else reserved (a Ray Tune trial's), one bundle per task from index 0; it is not removed here.
-    `code_env`: the actors' runtime env, already uploaded by `packaging.upload_code` (a sweep uploads the
-    job folder once, from the driver, for all its trials: a trial may run on a node without that folder).
-    `verbose`: Ray's own lines about the upload too. `resources`, `clock`, `limits`: seams for tests
-    (by default Ray's, with `group_cls` for the attempts' actors: a RayWorkerGroup or a subclass).
-    `attempts`: the run's starts so far (raytf.driver.attempts), this one last; result.json records its end.
-    `tracking_parent`: the sweep's MLflow run, which a trial's run is nested in (raytf.tracking).
-    `keep_processes`: a sweep's trial: a succeeded job's actors stay for the next trial this process runs on
-    the same placement group, and this job runs in the last one's when they match (raytf.actor.reuse)."""
+def start(job: Job, group_cls: Callable[..., WorkerGroup] | None = None,
+          display: ProgressDisplay | None = None, resume: bool = False, callbacks: Sequence[Callback] = (),
+          placement_group=None, code_env: dict[str, Any] | None = None, verbose: bool = False,
+          resources: Resources | None = None, clock=WallClock, limits: Limits = Limits(),
+          attempts: list[dict[str, Any]] | None = None, keep_processes: bool = False,
+          first_checkpoint=UNLISTED) -> Controller:
+    """The job's controller, its code uploaded (or `code_env`: a sweep's, uploaded once by its driver), ready to
+    `run()`. `placement_group`: a group someone else reserved (a Tune trial's), one bundle per task from index
+    0, never removed here. `resources`, `clock`, `limits`: seams for tests (by default Ray's, `group_cls` the
+    actors' group class). `attempts`: the run's starts, this one last. `keep_processes`: a sweep's trial keeps
+    a succeeded job's actors for its next trial (raytf.actor.reuse). The lifecycle around it: raytf.driver.run."""
     spec = job.spec
-    _checkpoint_storage(job, resume)  # a --resume mistake is a spec error before anything is uploaded
     if resources is None:
         from raytf.driver.ray_group import RayResources, RayWorkerGroup
 
         standby = spec.failure.standby and spec.failure.max_restarts > 0
         resources = RayResources(group_cls or RayWorkerGroup, standby_enabled=standby,
                                  standby_check_s=limits.standby_check_s, keep_processes=keep_processes)
-    series = None
-    if spec.output.metrics and resources_are_ray(resources):
-        from raytf.metrics import JobSeries
-
-        series = JobSeries(spec.name)
-    say = display.message if display else print
-    tracked = tracking.open_job_run(job, say, tracking_parent)  # a dead server: an error before Ray works
-    if tracked is not None:
-        on_epoch = _both(tracked.log_epoch, on_epoch)
-    controller = None
-    try:  # from the run's opening on: whatever ends it (the upload, Ctrl-C) closes it
-        env = code_env if code_env is not None else upload_code(runtime_env(job), verbose=verbose,
-                                                                 note=display.message if display else None)
-        controller = Controller(job, resources, env=env, limits=limits, clock=clock, display=display,
-                                resume=resume, on_epoch=on_epoch, placement_group=placement_group, attempts=attempts,
-                                series=series)
-        return controller.run()
-    except BaseException as exc:
-        if controller is None:
-            tracking.finish_job_run(tracked, job, None, exc)
-        raise
-    finally:
-        if controller is not None:
-            tracking.finish_job_run(tracked, job, controller.result)
-        if series is not None:
-            series.close()
+    env = code_env if code_env is not None else upload_code(runtime_env(job), verbose=verbose,
+                                                             note=display.message if display else None)
+    return Controller(job, resources, env=env, limits=limits, clock=clock, display=display, resume=resume,
+                      callbacks=callbacks, placement_group=placement_group, attempts=attempts,
+                      first_checkpoint=first_checkpoint)
 
 
-def resources_are_ray(resources: Resources) -> bool:
-    """Whether the job runs on Ray (not on a test's fake resources): only then are Ray metrics recorded."""
-    from raytf.driver.ray_group import RayResources
-
-    return isinstance(resources, RayResources)
-
-
-def _both(first: Callable[[dict[str, Any]], None],
-          then: Callable[[dict[str, Any]], None] | None) -> Callable[[dict[str, Any]], None]:
-    def call(metrics: dict[str, Any]) -> None:
-        first(metrics)
-        if then is not None:
-            then(metrics)
-    return call
-
-
-def _train_fn_hints(spec, result: Result) -> list[str]:
-    """What a train_fn that ran to its end did not hand raytf, and how it would."""
-    if spec.train_fn is None:
-        return []
-    hints = []
-    if not result.history:
-        hints.append("raytf: the train_fn reported no epoch: call ctx.report(metrics) once per epoch (with Keras: "
-                     "callbacks=[LambdaCallback(on_epoch_end=lambda epoch, logs: ctx.report(logs))])")
-    if not result.exports and spec.output.export:
-        hints.append("raytf: the train_fn saved no model: call ctx.save_model(model) on every worker at the end")
-    return hints
-
-
-def _merge_evaluations(history: list[dict[str, Any]], evaluations: list[dict[str, Any]]) -> None:
-    """The evaluator's val_* metrics into the epochs whose end-of-epoch checkpoint it evaluated."""
-    by_epoch = {e["epoch"]: e for e in evaluations if "epoch" in e}
-    for metrics in history:
-        found = by_epoch.get(metrics.get("epoch"))
-        if found:
-            metrics.update({k: v for k, v in found.items() if k.startswith("val_")})
-
-
-def _rank_error(rank: int, error: TaskError) -> failure_lib.RankError:
-    return failure_lib.RankError(rank, failure_lib.classify(error.type_name, error.message,
-                                                            actor_died=error.actor_died), error.described,
-                                 error.traceback)
-
-
-def _checkpoint_storage(job: Job, resume: bool) -> Storage | None:
-    resume_note(job.checkpoint_dir, resume)  # the same rules raytf.fit checks before anything starts
-    return None if job.checkpoint_dir is None else Storage(job.checkpoint_dir)
+def run(job: Job, **options: Any) -> Result:
+    """`start(job, **options).run()`: the controller alone, for tests and benchmarks that drive one directly."""
+    return start(job, **options).run()

@@ -80,3 +80,25 @@ def all_tracebacks(errors: list[RankError]) -> str | None:
     if len(kept) <= 1:
         return kept[0][1] if kept else None
     return "\n".join(f"--- rank {rank} ---\n{text.rstrip()}" for rank, text in kept)
+
+
+def rank_error(rank: int, error) -> RankError:
+    """A task's error (raytf.driver.group.TaskError) as one rank's, classified."""
+    return RankError(rank, classify(error.type_name, error.message, actor_died=error.actor_died), error.described,
+                     error.traceback)
+
+
+def errors_within(pending: list, wait, rank_of, clock, grace_s: float) -> list[RankError]:
+    """The errors of the `pending` tasks (handles) that fail within `grace_s`: after one task failed, its peers'
+    own errors (often broken collectives, as a consequence) are collected before the attempt ends.
+    `wait(handles, timeout_s)` returns those that finished; `rank_of(handle)` names a task's rank."""
+    errors, pending = [], list(pending)
+    deadline = clock.now() + grace_s
+    while pending:
+        for finished in wait(pending, max(0.0, deadline - clock.now())):
+            pending.remove(finished.handle)
+            if finished.error is not None:
+                errors.append(rank_error(rank_of(finished.handle), finished.error))
+        if clock.now() >= deadline:
+            break
+    return errors

@@ -12,6 +12,7 @@ from raytf import backends
 from raytf.backends.base import worker_bundle
 from raytf.errors import PlacementTimeout
 from raytf.spec import ClusterSpec, JobSpec
+from raytf.sweep_capacity import place  # the same rules as a sweep's max_concurrent_trials: auto
 
 
 def worker_bundles(cluster: ClusterSpec) -> list[dict[str, float]]:
@@ -47,8 +48,6 @@ def can_ever_hold(nodes: list[dict[str, float]], bundles: list[dict[str, float]]
     """Pure: whether nodes with these total resources, all free, could hold the bundles under the placement
     strategy (each bundle on one node; PACK and SPREAD may share nodes, STRICT_PACK needs one node for all,
     STRICT_SPREAD a node per bundle)."""
-    from raytf.sweep import place  # the same rules as a sweep's max_concurrent_trials: auto
-
     return place([dict(n) for n in nodes], [dict(b) for b in bundles], strategy)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Callable, Literal
 
 from raytf.driver import failure as failure_lib
 from raytf.driver.failure import Failure
@@ -198,6 +198,23 @@ def heard(last: Heard, marker: object, cpu_s: float | None, now: float, hang_tim
 def stalled(last_progress_at: dict[int, float], now: float, hang_timeout_s: float) -> list[int]:
     """The ranks whose progress has not changed for longer than hang_timeout_s."""
     return sorted(rank for rank, seen in last_progress_at.items() if now - seen > hang_timeout_s)
+
+
+def hung_ranks(watched: dict[int, float], before_first: set[int], now: float, hang_timeout_s: float,
+               limits: Limits, who: Callable[[list[int]], str]) -> tuple[list[int], str]:
+    """The ranks that hung (`watched`: rank -> when it was last heard) and why. A rank of raytf's loop still
+    before its first step (`before_first`) has hang_timeout_s or limits.first_step_s, whichever is longer,
+    computing or not; the others hang_timeout_s. `who` names ranks as the backend does."""
+    first_s = max(hang_timeout_s, limits.first_step_s)
+    hung = sorted(stalled({r: at for r, at in watched.items() if r not in before_first}, now, hang_timeout_s)
+                  + stalled({r: at for r, at in watched.items() if r in before_first}, now, first_s))
+    if not hung:
+        return [], ""
+    if set(hung) <= before_first:
+        return hung, (f"training hung: no first step from {who(hung)} for {first_s:g}s, computing or not (a "
+                      f"data.preprocess or input that never returns; failure.hang_timeout_s, at least "
+                      f"{limits.first_step_s:g}s for the first step)")
+    return hung, f"training hung: no progress from {who(hung)} for {hang_timeout_s:g}s (failure.hang_timeout_s)"
 
 
 def peer_grace_s(failure_kind: str, limits: Limits) -> float:

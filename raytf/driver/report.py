@@ -17,9 +17,12 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass
 class Result:
+    """result.json, read and written by this class only (`to_dict`, `from_dict`, `write`): one record for a run
+    however it was started (raytf run, raytf.fit, a submitted job, a sweep's trial)."""
+
     name: str
     strategy: str
-    status: str
+    status: str  # running, succeeded, failed, interrupted, or stopped (a sweep's scheduler stopped the trial)
     output_dir: str
     tasks: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
@@ -40,7 +43,7 @@ class Result:
     batch: dict[str, Any] | None = None
     restarts: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # when, why, ranks, nodes, resumed step
     phases: dict[str, float] = dataclasses.field(default_factory=dict)  # reserve_s, start_s, train_s, finish_s
-    error: str | None = None
+    error: str | None = None  # why it failed; for "stopped", the scheduler's reason
     traceback: str | None = None  # a failed task's whole traceback (-v prints it)
     # parameter_server: where each model variable lives ({path: [device per shard]}), the evaluator's
     # results per checkpoint, and workers that died and were (or could not be) brought back
