@@ -107,3 +107,26 @@ def test_the_result_json_page_describes_every_key_result_json_has():
     page = (REPO / "docs" / "reference" / "result-json.md").read_text()
     missing = [key for key in Result.__dataclass_fields__ if f"`{key}`" not in page]
     assert missing == [], f"docs/reference/result-json.md does not describe {missing}"
+
+
+def test_a_trial_whose_process_died_leaving_running_is_closed_by_the_sweep_with_tunes_reason(job_dir):
+    """A trial actor killed mid-epoch never closes its result.json; the sweep's driver does once Tune is done
+    with the trial (raytf.sweep_results), so nothing is left "running" and its attempt says why it ended."""
+    from raytf.driver import attempts
+    from raytf.sweep_results import _close_lost
+
+    class KilledTrial:  # what Tune's record of such a trial answers
+        status = "ERROR"
+
+        def get_error(self):
+            return "Traceback ...\nray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task."
+
+    loaded = job.load(write_job(job_dir, base_spec()), check_code=False)
+    running = Result(name="t", strategy="mirrored", status="running", output_dir=loaded.output_where,
+                     attempts=[attempts.begin(1, {"session": "s", "address": "a"}, None)])
+    running.write(loaded.output_dir)
+    closed = _close_lost(loaded, running.to_dict(), KilledTrial())
+    written = json.loads((loaded.output_dir / "result.json").read_text())
+    assert written == json.loads(json.dumps(closed))
+    assert written["status"] == "failed" and "ActorDiedError: The actor died unexpectedly" in written["error"]
+    assert written["attempts"][0]["ended"] and written["attempts"][0]["ended_because"].startswith("failed: the trial's")

@@ -318,6 +318,7 @@ def test_a_rank_with_slow_input_is_named_with_its_cost_and_the_others_are_not(cl
 def test_actors_and_tasks_show_as_their_job_role_and_index(cluster, job_dir):
     """Each actor is created named raytf:<job>:<role>-<index> (`ray list actors`, the dashboard), on the node of
     the rank it then plays, and its training task carries the same name (`ray list tasks`)."""
+    import ray
     from ray.util.state import list_actors, list_tasks
 
     from raytf.driver.controller import run
@@ -329,11 +330,13 @@ def test_actors_and_tasks_show_as_their_job_role_and_index(cluster, job_dir):
     class Looking(RayWorkerGroup):
         def train(self, payload):  # every task is set up (and named) by now
             refs = super().train(payload)
-            actors.update({a.name: a.node_id for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10000)
+            actors.update({a.name: a.node_id for a in list_actors(address=ray.get_runtime_context().gcs_address,
+                                                                    filters=[("state", "=", "ALIVE")], limit=10000)
                            if (a.name or "").startswith("raytf:named:")})
             deadline = time.time() + 20
             while time.time() < deadline and len(tasks) < 2:
-                tasks[:] = sorted({t.name for t in list_tasks(filters=[("state", "=", "RUNNING")], limit=10000)
+                tasks[:] = sorted({t.name for t in list_tasks(address=ray.get_runtime_context().gcs_address,
+                                                         filters=[("state", "=", "RUNNING")], limit=10000)
                                    if t.name.startswith("raytf:named:")})
                 time.sleep(0.5)
             return refs

@@ -4,8 +4,11 @@ import json
 import math
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -14,6 +17,7 @@ from click.testing import CliRunner
 import raytf
 from raytf import learning_rate, sweep, sweep_capacity, sweep_report
 from raytf.cli import main
+from raytf.driver.report import Result
 from raytf.errors import SpecError
 from raytf.job import apply_overrides, load, parse
 from tests.conftest import assert_nothing_left, base_spec, write_job
@@ -399,11 +403,13 @@ class ActorWatch:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
+        import ray
         from ray.util.state import list_actors
 
+        address = ray.get_runtime_context().gcs_address  # this cluster's: without it, the newest on the machine
         while not self._stop.is_set():
             now = time.time()
-            for a in list_actors(filters=[("state", "=", "ALIVE")], detail=True, limit=10_000):
+            for a in list_actors(address=address, filters=[("state", "=", "ALIVE")], detail=True, limit=10_000):
                 self.seen[a.actor_id] = now
                 self.info[a.actor_id] = (a.class_name, a.placement_group_id)
             self._stop.wait(self.interval_s)
@@ -482,6 +488,20 @@ def test_a_2x2_grid_under_hyperband_pauses_a_trial_for_another_promotes_it_and_r
     assert open(result.plot_path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     assert 0 < result.utilization <= 1
     assert result.table.count("\n") == 5 and "*  " + result.best["point"] in result.table
+
+    # Every trial's result.json is a run's (the run lifecycle's keys, attempts included); the stopped one says
+    # so and why, and `raytf results` is content with it; p02's pause is an attempt that ended stopped.
+    trial_results = {p: json.loads((job_dir / "runs" / "t" / "trials" / p / "result.json").read_text())
+                     for p in ("p00", "p01", "p02", "p03")}
+    assert all(set(r) == set(Result.__dataclass_fields__) for r in trial_results.values())
+    assert trial_results["p03"]["status"] == "stopped", trial_results["p03"]["error"]
+    assert trial_results["p03"]["error"] == "paused or stopped by tune.scheduler hyperband after epoch 1"
+    assert [a["ended_because"] for a in trial_results["p02"]["attempts"]] == \
+        ["stopped: paused or stopped by tune.scheduler hyperband after epoch 1", "succeeded"]
+    assert [a["resumed_from_step"] for a in trial_results["p02"]["attempts"]] == [None, 1437 // 48]
+    said = subprocess.run([str(Path(sys.executable).parent / "raytf"), "results", "runs/t/trials/p03"], cwd=job_dir,
+                          capture_output=True, text=True, timeout=60)
+    assert said.returncode == 0 and said.stdout.startswith("t-p03: stopped (paused or stopped by"), said
 
     # The stopped trial's raytf actors ended with its Tune actor (they share its placement group), not later;
     # p02's group was given up at the pause: its workers ran in two groups.
@@ -609,7 +629,10 @@ def test_an_optuna_search_with_unrunnable_points_stops_and_resumes_the_same_sear
     def a_later_trial_runs() -> bool:
         from ray.util.state import list_actors
 
-        return any("-t02:" in (a.name or "") for a in list_actors(filters=[("state", "=", "ALIVE")],
+        import ray
+
+        return any("-t02:" in (a.name or "") for a in list_actors(address=ray.get_runtime_context().gcs_address,
+                                                                  filters=[("state", "=", "ALIVE")],
                                                                   raise_on_missing_output=False))
 
     def interrupt_after_t01():  # with one trial at a time, t02 running means t01 is done in Tune's state too
