@@ -23,6 +23,33 @@ MODEL_MODULE = textwrap.dedent('''
 ''')
 
 
+# The tiers (docs/concepts/tests.md), as markers: `python -m pytest -m pure` (no Ray cluster and no TensorFlow
+# in the test process; a console script or subprocess a test runs may import it), `-m tf` (TensorFlow in the test
+# process, no cluster), `-m cluster` (marked where a test starts Ray nodes), `-m user_path` (the installed console
+# script, end to end). A module is tf when its tests import TensorFlow (measured: each module's non-cluster
+# tests run alone, `"tensorflow" in sys.modules` after each test).
+USER_PATH_MODULES = {"test_user_paths.py", "test_real_code.py", "test_e2e.py"}
+TF_MODULES = {"test_bad_input.py", "test_checkpoint_safety.py", "test_data.py", "test_images.py", "test_labels.py",
+              "test_large_batches.py", "test_loop_stop.py", "test_ps_train_fn.py", "test_run_lifecycle.py",
+              "test_serving.py", "test_spec.py", "test_string_list_columns.py", "test_task_code.py", "test_tune.py",
+              "test_image_jobs.py", "test_parameter_server.py", "test_preemption.py"}
+
+
+def tier_of(module: str, cluster: bool) -> list[str]:
+    """A test's tier markers, from its module and whether it is marked cluster."""
+    if module in USER_PATH_MODULES:
+        return ["user_path"]
+    if cluster:
+        return []
+    return ["tf"] if module in TF_MODULES else ["pure"]
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for name in tier_of(item.path.name, item.get_closest_marker("cluster") is not None):
+            item.add_marker(name)
+
+
 def base_spec(**sections):
     spec = {
         "name": "t",
