@@ -82,11 +82,13 @@ def _exit_on_error(interrupted: str = "raytf: interrupted", verbose: bool = Fals
 
 def _exit(code: int) -> None:
     """Exit with `code`; at once when a store call was abandoned (pyarrow's S3 client would wait for it at
-    exit, without end)."""
+    exit, without end) or the embedded Ray stopped under the driver (Ray's exit hook would wait on its GCS)."""
     from raytf import storage
 
+    abandoned = ("pyarrow" in sys.modules and storage.calls_abandoned()) or (
+        "raytf.driver.session" in sys.modules and sys.modules["raytf.driver.session"].ray_abandoned())
     # Only as the console script: in a host process (click's CliRunner, a test) an os._exit would end its host.
-    if "pyarrow" in sys.modules and storage.calls_abandoned() and sys.stdout is sys.__stdout__:
+    if abandoned and sys.stdout is sys.__stdout__:
         from raytf.driver import quiet
 
         sys.stdout.flush()

@@ -109,7 +109,9 @@ def reserve(bundles: list[dict[str, float]], placement: str, timeout_s: float, n
 
 
 def release(pg: PlacementGroup | None) -> None:
-    if pg is None:
+    from raytf.driver.session import embedded_ray_gone
+
+    if pg is None or embedded_ray_gone():  # an embedded Ray stopped by the same signal: nothing left to free
         return
     try:
         remove_placement_group(pg)

@@ -22,6 +22,7 @@ from raytf.errors import RaytfError
 
 AUTH_MODE = "RAY_AUTH_MODE"
 _embedded = False  # whether this process's Ray is one raytf started for the run (it cannot grow)
+_abandoned = False  # an embedded Ray found stopped under us (by the signal that stopped the driver): not shut down
 SHUTDOWN_GRACE_S = 5.0  # for an embedded Ray's workers to exit, which they do once its raylet is gone
 
 
@@ -95,8 +96,11 @@ def ray_session(address: str | None = None, verbose: bool = False) -> Iterator[s
         keep_token_private()
         yield None if verbose else f"raytf: workers' logs: {hint} (-v shows them here)"
     finally:
+        global _abandoned
+        _abandoned = embedded_ray_gone()  # ray.shutdown would wait out the reconnect to its dead GCS, then abort
         _set_embedded(False)
-        ray.shutdown()
+        if not _abandoned:
+            ray.shutdown()
         # Ray's native shutdown leaves SIGTERM at its default behind Python's back (the process then dies
         # without a word, even in the middle of shipping results): the caller's handler goes back in.
         _keep_handler(signal.SIGTERM, term)
@@ -158,6 +162,26 @@ def embedded() -> bool:
     """Whether this process's Ray is an embedded local one raytf started: no autoscaler, no other nodes, so
     what its node does not hold now it never will (raytf.driver.placement answers such a request at once)."""
     return _embedded
+
+
+def embedded_ray_gone() -> bool:
+    """Whether this process's embedded Ray no longer answers: a signal to the whole process group (`timeout`, a
+    terminal's group) ends Ray's processes with the driver (the GCS stops serving, its process may linger).
+    Then nothing is left to release, and a call to Ray would wait out its reconnect timeout."""
+    if not _embedded:
+        return False
+    host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=1.0).close()
+    except OSError:
+        return True
+    return False
+
+
+def ray_abandoned() -> bool:
+    """Whether the run's embedded Ray was left without ray.shutdown (it had stopped with the driver's signal):
+    the process must then exit without Ray's own exit hook, which would wait on the same dead GCS."""
+    return _abandoned
 
 
 def _set_embedded(value: bool) -> None:
