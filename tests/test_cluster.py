@@ -89,27 +89,24 @@ def test_asking_for_more_gpus_than_exist_exits_3_within_the_timeout(cluster, job
     assert_nothing_left()
 
 
-def test_a_multi_file_directory_is_read_exactly_once_per_epoch_with_pad(cluster, job_dir):
+def test_per_node_gpus_mixed_bfloat16_and_xla_read_a_multi_file_directory_exactly_once_per_epoch_with_pad(
+        cluster, job_dir):
+    """One worker on each GPU node with all its GPUs, 16-bit compute under XLA, over a directory of three
+    Parquet files of uneven row groups with data.remainder: pad (the padded batches keep XLA's shapes)."""
     import pyarrow.parquet as pq
 
+    _, gpu_nodes = cluster
     table = pq.read_table(job_dir / "data" / "digits-train.parquet")
     parts = job_dir / "parts"
     parts.mkdir()
     for i, (start, stop, group) in enumerate([(0, 100, 30), (100, 1000, 256), (1000, 1437, 77)]):
         pq.write_table(table.slice(start, stop - start), parts / f"part-{i}.parquet", row_group_size=group)
-    spec = base_spec(data={"train": "parts", "remainder": "pad"}, train={"epochs": 2, "global_batch_size": 64})
+    spec = base_spec(data={"train": "parts", "remainder": "pad"},
+                     train={"epochs": 2, "global_batch_size": 64, "precision": "mixed_bfloat16", "jit_compile": True},
+                     cluster={"workers": 2, "cpus_per_worker": 0.5, "gpus_per_worker": 2, "gpu_placement": "per_node"})
     result = raytf.fit(write_job(job_dir, spec))
     assert [h["examples"] for h in result.history] == [1437, 1437]  # every row, once, each epoch
     assert [h["step"] for h in result.history] == [23, 46]  # ceil(719 rows / 32 per worker) steps per epoch
-    assert len({t["weights_digest"] for t in result.tasks}) == 1
-    assert_nothing_left()
-
-
-def test_per_node_gpus_mixed_bfloat16_and_xla(cluster, job_dir):
-    _, gpu_nodes = cluster
-    spec = base_spec(train={"epochs": 2, "global_batch_size": 64, "precision": "mixed_bfloat16", "jit_compile": True},
-                     cluster={"workers": 2, "cpus_per_worker": 0.5, "gpus_per_worker": 2, "gpu_placement": "per_node"})
-    result = raytf.fit(write_job(job_dir, spec))
     assert {t["node_id"] for t in result.tasks} == {n.node_id for n in gpu_nodes}  # one worker per node
     assert all(sorted(t["cuda_visible_devices"].split(",")) == ["0", "1"] for t in result.tasks)  # all its GPUs
     assert len({t["weights_digest"] for t in result.tasks}) == 1
