@@ -399,11 +399,13 @@ class ActorWatch:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
+        import ray
         from ray.util.state import list_actors
 
+        address = ray.get_runtime_context().gcs_address  # this process's cluster, not the newest on the machine
         while not self._stop.is_set():
             now = time.time()
-            for a in list_actors(filters=[("state", "=", "ALIVE")], detail=True, limit=10_000):
+            for a in list_actors(address=address, filters=[("state", "=", "ALIVE")], detail=True, limit=10_000):
                 self.seen[a.actor_id] = now
                 self.info[a.actor_id] = (a.class_name, a.placement_group_id)
             self._stop.wait(self.interval_s)
@@ -607,10 +609,12 @@ def test_an_optuna_search_with_unrunnable_points_stops_and_resumes_the_same_sear
         return info.mtime_ns if info.type == pafs.FileType.File else None
 
     def a_later_trial_runs() -> bool:
+        import ray
         from ray.util.state import list_actors
 
-        return any("-t02:" in (a.name or "") for a in list_actors(filters=[("state", "=", "ALIVE")],
-                                                                  raise_on_missing_output=False))
+        return any("-t02:" in (a.name or "") for a in list_actors(
+            address=ray.get_runtime_context().gcs_address,  # this process's cluster, not the newest on the machine
+            filters=[("state", "=", "ALIVE")], raise_on_missing_output=False))
 
     def interrupt_after_t01():  # with one trial at a time, t02 running means t01 is done in Tune's state too
         deadline = time.time() + 200
