@@ -100,19 +100,45 @@ def mlflow():
     return mlflow_server.server()
 
 
+def _own_runtime_resources_cluster():
+    from ray.cluster_utils import Cluster
+
+    class OwnRuntimeResources(Cluster):
+        """A local cluster whose nodes each unpack runtime envs into a folder of their own, as machines do.
+
+        The nodes of ray.cluster_utils.Cluster share one session folder, so by default one
+        <session>/runtime_resources/working_dir_files/<package>. Each node's runtime-env agent keeps its own
+        URI cache, and on a miss unpacks with overwrite=True: download_and_unpack_package removes the folder
+        first (ray/_private/runtime_env/working_dir.py WorkingDirPlugin.create, packaging.py). A node meeting a
+        job's package for the first time (every node at a job's start; a node added for a test) so deletes
+        the working directory of the actors another node started there a moment before: their
+        os.getcwd() (TaskActor.__init__) raises FileNotFoundError. The head keeps Ray's default name: a
+        driver connecting to the cluster packs in <session>/runtime_resources (ray.init's scratch_dir)."""
+
+        _count = 0
+
+        def add_node(self, wait=True, **node_args):
+            if self.head_node is not None:
+                OwnRuntimeResources._count += 1
+                node_args.setdefault("runtime_env_dir_name", f"runtime_resources_node{OwnRuntimeResources._count}")
+            return super().add_node(wait, **node_args)
+
+    return OwnRuntimeResources
+
+
 @pytest.fixture(scope="session")
 def cluster(s3):
     """A local 3-node Ray cluster shared by the test session: a 1-CPU head and two 1-CPU nodes with
     2 logical GPUs each (Ray sets CUDA_VISIBLE_DEVICES per actor; TF runs on CPU). Its nodes reach the
     session's S3 server (they inherit its variables)."""
     import ray
-    from ray.cluster_utils import Cluster
 
     from tests import mlflow_server
 
+    OwnRuntimeResources = _own_runtime_resources_cluster()
     mlflow_server.start_in_background()  # ~8 s of start-up, while Ray starts; the tests that track wait for it
     os.environ["RAY_metrics_report_interval_ms"] = "1000"  # a recorded value in the endpoint within 1 s, not 10
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
+    c = OwnRuntimeResources(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
     gpu_nodes = [c.add_node(num_cpus=1, num_gpus=2) for _ in range(2)]
     c.wait_for_nodes()
     ray.init(address=c.address)

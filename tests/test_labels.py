@@ -211,7 +211,7 @@ TWO_REPLICAS = textwrap.dedent('''
     from raytf.actor import steps
 
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    job_dir, task = sys.argv[1], json.loads(sys.argv[2])
+    job_dir, tasks = sys.argv[1], json.loads(sys.argv[2])  # one process, one TensorFlow start-up, for them all
     sys.path.insert(0, job_dir)
 
 
@@ -284,13 +284,14 @@ TWO_REPLICAS = textwrap.dedent('''
                 "val_loss": eval_acc.results(eval_acc.total.numpy())["loss"], "keras_evaluate": float(evaluated)}
 
 
-    out = train(task["job"], task["epochs"]) if task["kind"] == "train" else regularized_step(task["job"])
-    print(json.dumps(out))
+    print(json.dumps([train(task["job"], task["epochs"]) if task["kind"] == "train" else regularized_step(task["job"])
+                      for task in tasks]))
 ''')
 
 
-def two_replicas(job_dir, **task):
-    proc = subprocess.run([sys.executable, "-c", TWO_REPLICAS, str(job_dir), json.dumps(task)], capture_output=True,
+def two_replicas(job_dir, *tasks):
+    """Each task's outcome, the tasks run one after another in one process (each job seeds its own run)."""
+    proc = subprocess.run([sys.executable, "-c", TWO_REPLICAS, str(job_dir), json.dumps(tasks)], capture_output=True,
                           text=True, timeout=240, cwd=job_dir, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -303,8 +304,8 @@ def test_one_hot_labels_with_categorical_crossentropy_train_like_class_ids_with_
     'accuracy' resolves to the accuracy that reads each label."""
     ids = one_hot_spec(loss={"name": "sparse_categorical_crossentropy", "from_logits": True})
     ids["data"]["label"] = "label"  # the same files (so the same row groups, so the same order): the class ids
-    sparse = two_replicas(labelled, kind="train", epochs=2, job=str(write_job(labelled, ids, "sparse.yaml")))
-    one_hot = two_replicas(labelled, kind="train", epochs=2, job=str(write_job(labelled, one_hot_spec(), "onehot.yaml")))
+    sparse, one_hot = two_replicas(labelled, *({"kind": "train", "epochs": 2, "job": str(write_job(labelled, spec, name))}
+                                               for spec, name in ((ids, "sparse.yaml"), (one_hot_spec(), "onehot.yaml"))))
     assert sparse["metrics"] == {"accuracy": "SparseCategoricalAccuracy"}
     assert one_hot["metrics"] == {"accuracy": "CategoricalAccuracy"}
     for a, b in zip(sparse["history"], one_hot["history"]):
@@ -326,7 +327,8 @@ def test_a_multi_output_regression_label_trains_with_mse(labelled):
                 return keras.Sequential([keras.Input(shape=(64,)), keras.layers.Dense(32, activation="relu"),
                                          keras.layers.Dense(3)])
         '''))
-    out = two_replicas(labelled, kind="train", epochs=3, job=str(write_job(labelled, spec, "regression.yaml")))
+    out, = two_replicas(labelled, {"kind": "train", "epochs": 3,
+                                   "job": str(write_job(labelled, spec, "regression.yaml"))})
     target = np.stack(pq.read_table(labelled / "data/regression-test.parquet").column("target").to_numpy(
         zero_copy_only=False))
     baseline_mae = float(np.abs(target - target.mean(axis=0)).mean())  # predicting each output's mean
@@ -347,19 +349,20 @@ REGULARIZED = textwrap.dedent('''
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("accumulation_steps", [1, 2])
-def test_the_reported_loss_and_the_gradient_count_the_regularizers_as_keras_does(job_dir, accumulation_steps):
-    """An L2 kernel_regularizer, 2 replicas (and 2 micro-batches each): one step moves the weights as the
-    gradient of Keras's loss (data loss mean + sum(model.losses)) on one device does, the regularizers
+def test_the_reported_loss_and_the_gradient_count_the_regularizers_as_keras_does_with_and_without_accumulation(
+        job_dir):
+    """An L2 kernel_regularizer, 2 replicas (with 1, then 2 micro-batches each): one step moves the weights as
+    the gradient of Keras's loss (data loss mean + sum(model.losses)) on one device does, the regularizers
     counted once; the reported loss and validation loss are Keras's (the latter: model.evaluate's)."""
     (job_dir / "treg.py").write_text(REGULARIZED)
-    spec = base_spec(model="treg:build_regularized", train={"global_batch_size": 64 // accumulation_steps,
-                                                            "accumulation_steps": accumulation_steps})
-    out = two_replicas(job_dir, kind="step", job=str(write_job(job_dir, spec)))
-    assert out["regularization"] > 0.2 * out["data_loss"], out  # large enough that leaving it out shows
-    assert out["reported"] == pytest.approx(out["keras_loss"], rel=1e-5), out
-    assert out["weights_gap"] < 1e-5 < out["step"], out  # the step is Keras's loss's gradient step
-    assert out["val_loss"] == pytest.approx(out["keras_evaluate"], rel=1e-5), out
+    tasks = [{"kind": "step", "job": str(write_job(job_dir, base_spec(
+        model="treg:build_regularized", train={"global_batch_size": 64 // k, "accumulation_steps": k}), f"k{k}.yaml"))}
+             for k in (1, 2)]
+    for out in two_replicas(job_dir, *tasks):
+        assert out["regularization"] > 0.2 * out["data_loss"], out  # large enough that leaving it out shows
+        assert out["reported"] == pytest.approx(out["keras_loss"], rel=1e-5), out
+        assert out["weights_gap"] < 1e-5 < out["step"], out  # the step is Keras's loss's gradient step
+        assert out["val_loss"] == pytest.approx(out["keras_evaluate"], rel=1e-5), out
 
 
 @pytest.mark.timeout(120)

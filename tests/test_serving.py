@@ -295,29 +295,11 @@ def test_a_subclassed_model_exports_a_saved_model_that_serves_without_raytf(clus
 
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
-def test_a_rank_with_slow_input_is_named_with_its_cost_and_the_others_are_not(cluster, job_dir):
-    (job_dir / "slow.py").write_text(rank_one_data(delay_s=0.006))  # ~50 ms a batch, on rank 1 only
-    spec = base_spec(dataset_fn="slow:dataset_fn", train={"epochs": 1, "global_batch_size": 16, "steps_per_epoch": 30},
-                     output={"tensorboard": False, "timing": True})
-    spec.pop("data")
-    result = raytf.fit(write_job(job_dir, spec))
-    workers = {t["rank"]: t for t in result.tasks}
-    assert workers[1]["input_wait_s"] > 1.0 > workers[0]["input_wait_s"], workers
-    assert workers[0]["step_s"] > workers[1]["step_s"]  # rank 0 waits for rank 1 in the all-reduce
-    assert len(result.stragglers) == 1, result.stragglers
-    slow = result.stragglers[0]
-    assert slow["rank"] == 1 and slow["what"] == "input_wait_s" and slow["node"] == workers[1]["node_ip"]
-    assert 0.3 < slow["cost"] <= 1.0, slow
-    saved = json.loads((job_dir / "runs" / "t" / "result.json").read_text())
-    assert saved["stragglers"] == result.stragglers
-    assert_nothing_left()
-
-
-@pytest.mark.cluster
-@pytest.mark.timeout(300)
-def test_actors_and_tasks_show_as_their_job_role_and_index(cluster, job_dir):
-    """Each actor is created named raytf:<job>:<role>-<index> (`ray list actors`, the dashboard), on the node of
-    the rank it then plays, and its training task carries the same name (`ray list tasks`)."""
+def test_a_rank_with_slow_input_is_named_with_its_cost_and_actors_and_tasks_show_as_their_job_role_and_index(
+        cluster, job_dir):
+    """Rank 1's input is slow: its wait is named with its cost, rank 0's is not. And while the job trains,
+    each actor is named raytf:<job>:<role>-<index> (`ray list actors`, the dashboard), on the node of the
+    rank it then plays, and its training task carries the same name (`ray list tasks`)."""
     import ray
     from ray.util.state import list_actors, list_tasks
 
@@ -327,22 +309,37 @@ def test_actors_and_tasks_show_as_their_job_role_and_index(cluster, job_dir):
 
     tasks, actors = [], {}
 
+    address = ray.get_runtime_context().gcs_address  # this process's cluster, not the newest on the machine
+
     class Looking(RayWorkerGroup):
         def train(self, payload):  # every task is set up (and named) by now
             refs = super().train(payload)
-            actors.update({a.name: a.node_id for a in list_actors(address=ray.get_runtime_context().gcs_address,
-                                                                    filters=[("state", "=", "ALIVE")], limit=10000)
+            actors.update({a.name: a.node_id for a in list_actors(address=address, filters=[("state", "=", "ALIVE")],
+                                                                  limit=10000)
                            if (a.name or "").startswith("raytf:named:")})
             deadline = time.time() + 20
             while time.time() < deadline and len(tasks) < 2:
-                tasks[:] = sorted({t.name for t in list_tasks(address=ray.get_runtime_context().gcs_address,
-                                                         filters=[("state", "=", "RUNNING")], limit=10000)
+                tasks[:] = sorted({t.name for t in list_tasks(address=address, filters=[("state", "=", "RUNNING")],
+                                                              limit=10000)
                                    if t.name.startswith("raytf:named:")})
                 time.sleep(0.5)
             return refs
 
-    result = run(load(write_job(job_dir, base_spec(name="named", train={"epochs": 1}, output={"tensorboard": False}))),
-                 group_cls=Looking)
+    (job_dir / "slow.py").write_text(rank_one_data(delay_s=0.006))  # ~50 ms a batch, on rank 1 only
+    spec = base_spec(name="named", dataset_fn="slow:dataset_fn",
+                     train={"epochs": 1, "global_batch_size": 16, "steps_per_epoch": 30},
+                     output={"tensorboard": False, "timing": True})
+    spec.pop("data")
+    result = run(load(write_job(job_dir, spec)), group_cls=Looking)
+    workers = {t["rank"]: t for t in result.tasks}
+    assert workers[1]["input_wait_s"] > 1.0 > workers[0]["input_wait_s"], workers
+    assert workers[0]["step_s"] > workers[1]["step_s"]  # rank 0 waits for rank 1 in the all-reduce
+    assert len(result.stragglers) == 1, result.stragglers
+    slow = result.stragglers[0]
+    assert slow["rank"] == 1 and slow["what"] == "input_wait_s" and slow["node"] == workers[1]["node_ip"]
+    assert 0.3 < slow["cost"] <= 1.0, slow
+    saved = json.loads((job_dir / "runs" / "named" / "result.json").read_text())
+    assert saved["stragglers"] == result.stragglers
     assert tasks == ["raytf:named:worker-0", "raytf:named:worker-1"]
     assert actors == {f"raytf:named:worker-{t['rank']}": t["node_id"] for t in result.tasks}, (actors, result.tasks)
     assert_nothing_left()

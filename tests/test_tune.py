@@ -406,7 +406,7 @@ class ActorWatch:
         import ray
         from ray.util.state import list_actors
 
-        address = ray.get_runtime_context().gcs_address  # this cluster's: without it, the newest on the machine
+        address = ray.get_runtime_context().gcs_address  # this process's cluster, not the newest on the machine
         while not self._stop.is_set():
             now = time.time()
             for a in list_actors(address=address, filters=[("state", "=", "ALIVE")], detail=True, limit=10_000):
@@ -627,13 +627,12 @@ def test_an_optuna_search_with_unrunnable_points_stops_and_resumes_the_same_sear
         return info.mtime_ns if info.type == pafs.FileType.File else None
 
     def a_later_trial_runs() -> bool:
+        import ray
         from ray.util.state import list_actors
 
-        import ray
-
-        return any("-t02:" in (a.name or "") for a in list_actors(address=ray.get_runtime_context().gcs_address,
-                                                                  filters=[("state", "=", "ALIVE")],
-                                                                  raise_on_missing_output=False))
+        return any("-t02:" in (a.name or "") for a in list_actors(
+            address=ray.get_runtime_context().gcs_address,  # this process's cluster, not the newest on the machine
+            filters=[("state", "=", "ALIVE")], raise_on_missing_output=False))
 
     def interrupt_after_t01():  # with one trial at a time, t02 running means t01 is done in Tune's state too
         deadline = time.time() + 200

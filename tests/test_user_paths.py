@@ -24,10 +24,10 @@ STATEFUL_MODEL = textwrap.dedent('''
     import keras
 
 
-    def build_model():
+    def build_model(width=48):
         pixels = keras.Input(shape=(64,), name="pixels")
         tokens = keras.Input(shape=(64,), name="tokens", dtype="int64")
-        dense = keras.layers.Dense(48)(pixels)
+        dense = keras.layers.Dense(width)(pixels)
         dense = keras.layers.Activation("relu")(keras.layers.BatchNormalization()(dense))
         embedded = keras.layers.Flatten()(keras.layers.Embedding(17, 4)(tokens))
         joined = keras.layers.LayerNormalization()(keras.layers.Concatenate()([dense, embedded]))
@@ -35,13 +35,8 @@ STATEFUL_MODEL = textwrap.dedent('''
         return keras.Model({"pixels": pixels, "tokens": tokens}, keras.layers.Dense(10)(joined))
 
 
-    def bn_model(width=32):
-        return keras.Sequential([keras.Input(shape=(64,)), keras.layers.Dense(width), keras.layers.BatchNormalization(),
-                                 keras.layers.Activation("relu"), keras.layers.Dropout(0.2), keras.layers.Dense(10)])
-
-
-    def wide_bn_model():
-        return bn_model(width=48)
+    def wide_model():
+        return build_model(width=64)
 ''')
 
 
@@ -248,64 +243,6 @@ def test_an_explicit_address_sends_the_users_token(monkeypatch, tmp_path):
 # ---------------------------------------------------------------- the console script, on an embedded Ray
 
 
-def _where(project: Path, how: str, tmp_path: Path) -> tuple[Path, str]:
-    """(working directory, job file argument) for each way a user points raytf at the job."""
-    if how == "inside the job folder":
-        return project, "job.yaml"
-    if how == "from the project root":
-        return project.parent, "jobs/job.yaml"
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir(exist_ok=True)
-    if how == "elsewhere, absolute path":
-        return elsewhere, str(project / "job.yaml")
-    link = elsewhere / "linked.yaml"
-    link.symlink_to(project / "job.yaml")
-    return elsewhere, "linked.yaml"
-
-
-@pytest.mark.cluster
-@pytest.mark.parametrize("how", ["elsewhere, symlinked job file"])
-def test_run_trains_the_same_from_every_working_directory(cluster, project, tmp_path, how):
-    """From a folder that is not the job's, through a symlink to the job file (inside the job folder: the
-    own-loop example's and tests/test_real_code.py's runs; from the repository root: .ci/run, the README's
-    command verbatim; an absolute path from elsewhere: the tune test below runs its best spec so). With
-    another Ray cluster up (the test cluster), the job still starts its own embedded Ray. The model has
-    BatchNormalization, Dropout, Embedding and LayerNormalization: every worker ends bit-identical, and the
-    saved model scores the validation rows as the run reported."""
-    import keras
-    import numpy as np
-    import pyarrow.parquet as pq
-
-    test_cluster, gpu_nodes = cluster
-    cwd, job_arg = _where(project, how, tmp_path)
-    before = files_under(project)
-    elsewhere_before = files_under(cwd)
-    temp_before = task_files_in_temp_dir()
-    proc = run_cli(["run", job_arg, "--set", "train.epochs=2"], cwd=cwd)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert task_files_in_temp_dir() - temp_before == set()  # the embedded Ray's tasks took their files along
-
-    out = project.parent / "runs" / "stateful"  # output.dir ../runs/stateful, against the job folder
-    result = json.loads((out / "result.json").read_text())
-    assert result["status"] == "succeeded" and (out / "model.keras").is_file()
-    assert files_under(project) == before  # nothing new in the job folder: no zip, no __pycache__
-    assert files_under(cwd) == elsewhere_before  # nor where the user stood
-    assert f"result {out}/result.json" in proc.stdout
-    assert_quiet(proc)
-    assert "epoch 2 done" in proc.stderr
-
-    assert len({t["weights_digest"] for t in result["tasks"]}) == 1  # BatchNormalization's statistics included
-    known = {gpu.node_id for gpu in gpu_nodes} | {test_cluster.head_node.node_id}
-    assert not {t["node_id"] for t in result["tasks"]} & known  # not the test cluster's nodes: its own Ray
-    losses = [h["loss"] for h in result["history"]]
-    assert losses[-1] < losses[0]
-    model = keras.models.load_model(out / "model.keras")
-    table = pq.read_table(project / "data" / "digits-test.parquet")
-    x = {name: np.stack(table.column(name).to_numpy(zero_copy_only=False)) for name in ("pixels", "tokens")}
-    accuracy = float((model.predict(x, verbose=0).argmax(axis=1) == table.column("label").to_numpy()).mean())
-    assert accuracy == pytest.approx(result["history"][-1]["val_accuracy"], abs=1e-6) and accuracy > 0.8
-
-
 def assert_quiet(proc) -> None:
     """The terminal has raytf's lines only: no TensorFlow start-up noise, no Ray INFO lines, no worker logs."""
     for noise in ("oneDNN", "cuda", "absl", "Creating a file package", "Pushing file package", "TaskActor pid",
@@ -315,18 +252,28 @@ def assert_quiet(proc) -> None:
 
 
 @pytest.mark.cluster
-def test_tune_from_inside_the_job_folder_leaves_it_as_it_was_runs_trials_in_kept_processes_and_its_best_spec_runs(
-        project, mlflow):
-    """Two trials, one after the other (max_concurrent_trials: 1), of BatchNormalization + Dropout models of two
-    widths: the second runs in the first's processes (TensorFlow's collectives re-formed over other shapes),
-    and trains as in its own. MLflow (a real server) holds the sweep as a parent run with each trial's run
-    nested in it; the best spec, run again, is a run of its own in the same experiment."""
+def test_tune_from_the_job_folder_runs_trials_in_kept_processes_and_its_best_spec_trains_the_same_from_elsewhere(
+        cluster, project, tmp_path, mlflow):
+    """`raytf tune` from inside the job folder: two trials, one after the other (max_concurrent_trials: 1), of
+    models with state as users write them (BatchNormalization, Dropout, Embedding, LayerNormalization) in two
+    widths: the second runs in the first's processes (TensorFlow's collectives re-formed over other shapes), and
+    trains as in its own. MLflow (a real server) holds the sweep as a parent run with each trial's run nested in
+    it. Then the best spec, as it is, runs from a folder that is not the job's, by the absolute path of a symlink
+    to it (inside the job folder: the own-loop example's and tests/test_real_code.py's runs; from the repository
+    root: .ci/run, the README's command verbatim): with another Ray cluster up (the test cluster), it still
+    starts its own embedded Ray; every worker ends bit-identical, BatchNormalization's statistics included, and
+    the saved model scores the validation rows as the run reported; it is a run of its own in the same
+    experiment. Neither command leaves a file in the job folder or where the user stood."""
+    import keras
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    test_cluster, gpu_nodes = cluster
     sweep = yaml.safe_load((project / "job.yaml").read_text())
-    sweep.update(name="sweep", model="stateful:bn_model", output={"dir": "../runs/sweep", "tensorboard": False},
+    sweep.update(name="sweep", output={"dir": "../runs/sweep", "tensorboard": False},
                  tracking={"mlflow": {"uri": mlflow.uri, "experiment": "user-path-sweep"}},
                  tune={"metric": "val_loss", "mode": "min", "max_concurrent_trials": 1,
-                       "space": {"model": {"grid": ["stateful:bn_model", "stateful:wide_bn_model"]}}})
-    sweep["data"]["features"] = ["pixels"]
+                       "space": {"model": {"grid": ["stateful:build_model", "stateful:wide_model"]}}})
     sweep["train"]["epochs"] = 1
     (project / "sweep.yaml").write_text(yaml.safe_dump(sweep))
     before = files_under(project)
@@ -349,18 +296,43 @@ def test_tune_from_inside_the_job_folder_leaves_it_as_it_was_runs_trials_in_kept
     parent, *nested = mlflow.runs("user-path-sweep")
     assert (parent.info.run_name, parent.info.status) == ("sweep", "FINISHED")
     assert mlflow.artifacts(parent.info.run_id) == ["best.yaml", "sweep.json", "sweep.png"]
-    assert parent.data.params["tune.space.model.values"] == '["stateful:bn_model", "stateful:wide_bn_model"]'
+    assert parent.data.params["tune.space.model.values"] == '["stateful:build_model", "stateful:wide_model"]'
     assert sorted(r.info.run_name for r in nested) == ["sweep-p00", "sweep-p01"]
     for trial in nested:
         assert trial.info.status == "FINISHED" and trial.data.tags["mlflow.parentRunId"] == parent.info.run_id
         assert [step for step, _ in mlflow.history(trial.info.run_id, "val_loss")] == [1]
         assert "model.keras" in mlflow.artifacts(trial.info.run_id)
-    assert {r.data.params["model"] for r in nested} == {"stateful:bn_model", "stateful:wide_bn_model"}
+    assert {r.data.params["model"] for r in nested} == {"stateful:build_model", "stateful:wide_model"}
 
-    proc = run_cli(["run", str(best)], cwd=project.parent.parent)  # the best spec runs as it is, from anywhere
+    # the best spec runs as it is, from an unrelated folder, by the absolute path of a symlink to it
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "linked.yaml").symlink_to(best)
+    elsewhere_before = files_under(elsewhere)
+    temp_before = task_files_in_temp_dir()
+    proc = run_cli(["run", str(elsewhere / "linked.yaml"), "--set", "train.epochs=2"], cwd=elsewhere)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads((out / "best" / "result.json").read_text())["status"] == "succeeded"
-    assert files_under(project) == before
+    assert task_files_in_temp_dir() - temp_before == set()  # the embedded Ray's tasks took their files along
+
+    ran = out / "best"  # the best spec's output.dir, beside the sweep's
+    result = json.loads((ran / "result.json").read_text())
+    assert result["status"] == "succeeded" and (ran / "model.keras").is_file()
+    assert files_under(project) == before  # nothing new in the job folder: no zip, no __pycache__
+    assert files_under(elsewhere) == elsewhere_before  # nor where the user stood
+    assert f"result {ran}/result.json" in proc.stdout
+    assert_quiet(proc)
+    assert "epoch 2 done" in proc.stderr
+
+    assert len({t["weights_digest"] for t in result["tasks"]}) == 1  # BatchNormalization's statistics included
+    known = {gpu.node_id for gpu in gpu_nodes} | {test_cluster.head_node.node_id}
+    assert not {t["node_id"] for t in result["tasks"]} & known  # not the test cluster's nodes: its own Ray
+    losses = [h["loss"] for h in result["history"]]
+    assert losses[-1] < losses[0]
+    model = keras.models.load_model(ran / "model.keras")
+    table = pq.read_table(project / "data" / "digits-test.parquet")
+    x = {name: np.stack(table.column(name).to_numpy(zero_copy_only=False)) for name in ("pixels", "tokens")}
+    accuracy = float((model.predict(x, verbose=0).argmax(axis=1) == table.column("label").to_numpy()).mean())
+    assert accuracy == pytest.approx(result["history"][-1]["val_accuracy"], abs=1e-6) and accuracy > 0.8
     again = mlflow.runs("user-path-sweep")[-1]
     assert again.info.status == "FINISHED" and "mlflow.parentRunId" not in again.data.tags
 
