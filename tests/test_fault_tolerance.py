@@ -12,6 +12,8 @@ import pytest
 import raytf
 from raytf.checkpoint import Storage
 from raytf.driver.controller import run
+from raytf.driver import run as lifecycle
+from raytf.driver.report import ProgressDisplay
 from raytf.errors import SpecError
 from raytf.job import load
 from tests import prometheus
@@ -70,7 +72,9 @@ def test_a_killed_worker_costs_one_restart_and_the_run_ends_where_it_would_have(
     counted: dict[str, list[float]] = {"0": [], "1": []}  # rank -> its steps counted so far, scrape after scrape
     dashboard = prometheus.DashboardWatch(prometheus_server, "killed")
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        running = pool.submit(run, job, group_cls=killer.group_cls)
+        # the run lifecycle, as raytf run has it: the driver's Prometheus series are one of its callbacks
+        running = pool.submit(lifecycle.execute, job, resume=False, display=ProgressDisplay(quiet=True),
+                              group_cls=killer.group_cls)
         while not running.done():
             series = [(labels, value) for labels, value in prometheus.scrape("ray_raytf_steps_total")
                       if labels["run"] == "killed"]

@@ -30,7 +30,7 @@ from raytf.storage import Folder
 def execute(job: Job, *, resume: "bool | str", display: ProgressDisplay, previous: dict[str, Any] | None = None,
             lease=None, session=None, latest=UNLISTED, callbacks: Sequence[Callback] = (),
             tracking_parent: str | None = None, placement_group=None, code_env: dict[str, Any] | None = None,
-            keep_processes: bool = False, verbose: bool = False) -> Result:
+            keep_processes: bool = False, verbose: bool = False, group_cls=None) -> Result:
     """Run `job` to its end and return its Result (raising what ended it otherwise).
 
     `resume`: the spec's (True, "auto" or False). `previous`: the run's earlier result.json, whose attempts
@@ -39,7 +39,7 @@ def execute(job: Job, *, resume: "bool | str", display: ProgressDisplay, previou
     driver that starts or joins Ray; none inside a sweep's trial), which may yield a line to show. `latest`:
     the newest checkpoint, when the caller listed checkpoint.dir already. `callbacks`: the caller's own, after
     the spec's (tracking_parent: the sweep's MLflow run, which a trial's run nests in). The rest as
-    raytf.driver.controller.start."""
+    raytf.driver.controller.start (`group_cls`: the actors' group class, a test's fault-injecting one)."""
     if latest is UNLISTED:
         latest = Storage(job.checkpoint_dir).latest() if job.checkpoint_dir is not None else None
     note = resume_note(job.checkpoint_dir, resume, latest)  # --resume and checkpoint.dir agree, before anything
@@ -63,7 +63,8 @@ def execute(job: Job, *, resume: "bool | str", display: ProgressDisplay, previou
         try:
             ran = controller.start(job, display=display, resume=bool(resume), callbacks=watchers,
                                    placement_group=placement_group, code_env=code_env, verbose=verbose,
-                                   attempts=tries, keep_processes=keep_processes, first_checkpoint=first)
+                                   attempts=tries, keep_processes=keep_processes, first_checkpoint=first,
+                                   group_cls=group_cls)
             return ran.run()
         except BaseException as exc:
             error = exc
