@@ -48,6 +48,15 @@ def end_state(error: BaseException | None) -> str:
     return "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
 
 
+def end_reason(error: BaseException) -> str:
+    """result.json's `error` for a run `error` ended: the scheduler's reason, "interrupted", or the error."""
+    if isinstance(error, TrialStopped):
+        return error.reason
+    if isinstance(error, KeyboardInterrupt):  # Ctrl-C, or SIGTERM (raytf.cli makes it one)
+        return "interrupted"
+    return str(error) or type(error).__name__
+
+
 class PrometheusSeries(Callback):
     """The job's own Prometheus series (raytf.metrics.JobSeries): its state, liveness and restarts."""
 

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from raytf.driver import attempts, stragglers
-from raytf.driver.callbacks import TrialStopped
+from raytf.driver.callbacks import end_reason, end_state
 from raytf.driver.report import Result, summary_table, worker_lines, write_artifacts
 from raytf.job import Job
 from raytf.protocol import Outcome
@@ -75,14 +75,7 @@ def failed(result: Result, exc: BaseException, epochs_seen: list[dict[str, Any]]
     """A run that ends without success keeps what it did: the epochs it finished (across restarts), the tasks
     of its last attempt, the error and, where a task raised it, its traceback. A scheduler's stop is "stopped",
     with its reason."""
-    if isinstance(exc, TrialStopped):  # a sweep's scheduler stopped it: not a failure
-        result.status = "stopped"
-        result.error = exc.reason
-    elif isinstance(exc, KeyboardInterrupt):  # Ctrl-C, or SIGTERM (raytf.cli makes it one)
-        result.status = "interrupted"
-        result.error = "interrupted"
-    else:
-        result.error = str(exc)
+    result.status, result.error = end_state(exc), end_reason(exc)
     result.traceback = getattr(exc, "traceback", None)
     if not result.history:
         result.history = list(epochs_seen)

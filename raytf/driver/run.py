@@ -21,7 +21,7 @@ from raytf.checkpoint import UNLISTED, Storage, resume_note
 from raytf.driver import attempts as attempts_lib
 from raytf.driver import callbacks as callbacks_lib
 from raytf.driver import controller, output
-from raytf.driver.callbacks import Callback, end_state
+from raytf.driver.callbacks import Callback, end_reason, end_state
 from raytf.driver.report import ProgressDisplay, Result
 from raytf.job import Job
 from raytf.storage import Folder
@@ -84,8 +84,6 @@ def close_unfinished(job: Job, running: Result, exc: BaseException) -> None:
         written = False
     if written:
         return
-    running.status = end_state(exc)
-    running.error = getattr(exc, "reason", None) or ("interrupted" if running.status == "interrupted"
-                                                     else str(exc) or type(exc).__name__)
+    running.status, running.error = end_state(exc), end_reason(exc)
     attempts_lib.end(running.attempts[-1], running.status, running.error)
     running.write(job.output_dir)
