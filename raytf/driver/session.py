@@ -69,9 +69,11 @@ def token_may_travel(url: str, allowed: bool = False) -> bool:
 def ray_session(address: str | None = None, verbose: bool = False) -> Iterator[str | None]:
     """Yields where the workers' logs are when they are not shown here (None when they are, or when
     this process's Ray was initialised by someone else)."""
+    global _abandoned
     if ray.is_initialized():
         yield None
         return
+    _abandoned = False  # a session before this one, in the same process (a notebook), is not this one
     address = address or os.environ.get("RAY_ADDRESS") or None
     mode = auth_mode_for(address)
     if mode is not None:  # for this session only (a client sending a token to a cluster without auth is fine)
@@ -96,7 +98,6 @@ def ray_session(address: str | None = None, verbose: bool = False) -> Iterator[s
         keep_token_private()
         yield None if verbose else f"raytf: workers' logs: {hint} (-v shows them here)"
     finally:
-        global _abandoned
         _abandoned = embedded_ray_gone()  # ray.shutdown would wait out the reconnect to its dead GCS, then abort
         _set_embedded(False)
         if not _abandoned:
