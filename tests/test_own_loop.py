@@ -198,4 +198,6 @@ def test_a_tf_keras_fit_script_trains_on_two_workers_under_legacy(cluster, jobs_
     assert result.history[-1]["accuracy"] >= 0.8
     assert len({t["weights_digest"] for t in result.tasks}) == 1
     assert (tmp_path / "model.keras").is_file()
+    # model.fit says no step: each task's count is its optimizer's (1,437 rows / 64 per step, each epoch)
+    assert [t["steps"] for t in result.tasks] == [EPOCHS * (1437 // 64)] * 2, result.tasks
     assert_nothing_left()

@@ -66,8 +66,19 @@ def run(strategy: tf.distribute.Strategy, payload: WorkerPayload, ctx: TaskConte
     finally:
         ctx.own_loop.close()
     digest = steps_lib.weights_digest(ctx.saved_model) if ctx.saved_model is not None else None
-    return Outcome(history=ctx.history, weights_digest=digest, steps=ctx.global_step,
-                   steps_run=ctx.global_step - ctx.restored_step, replicas=ctx.num_replicas, exports=ctx.exports)
+    steps = ctx.global_step or optimizer_steps(ctx.saved_model)
+    return Outcome(history=ctx.history, weights_digest=digest, steps=steps,
+                   steps_run=steps - ctx.restored_step, replicas=ctx.num_replicas, exports=ctx.exports)
+
+
+def optimizer_steps(model) -> int:
+    """The optimizer steps of a saved model that trained without ctx.step (a Keras model.fit reports epochs
+    only); 0 where the model has no optimizer."""
+    iterations = getattr(getattr(model, "optimizer", None), "iterations", None)
+    try:
+        return int(iterations.numpy()) if iterations is not None else 0
+    except Exception:  # a variable that cannot be read here says nothing about the run
+        return 0
 
 
 class OwnLoop:
