@@ -70,6 +70,15 @@ def test_stragglers_are_the_workers_that_stand_out_with_what_they_cost():
     assert [(f["rank"], f["what"], f["cost"]) for f in found] == [(1, "step_s", 0.25)]
 
 
+def test_a_workers_summary_line_counts_every_step_it_ran_and_the_timed_ones_apart():
+    from raytf.driver.report import worker_lines
+
+    task = {"rank": 0, "role": "chief", "node_ip": "10.0.0.1", "steps": 22, "timed_steps": 21, "input_wait_s": 0.1,
+            "step_s": 0.2, "examples_per_s": 1000.0}
+    assert worker_lines([task]) == \
+        "rank 0 (chief on 10.0.0.1): 22 steps, 21 timed: input wait 0.10 s, step 0.20 s, 1,000 ex/s"
+
+
 # Keras 3 and tf.keras models for the in-process export checks: BatchNormalization whose moving statistics
 # are not the initial ones (a variable the session loader must restore, not initialize), and Dropout (off).
 KERAS3_MODEL = textwrap.dedent('''

@@ -120,7 +120,9 @@ def worker_lines(tasks: list[dict[str, Any]]) -> str:
     for t in tasks:
         if t.get("timed_steps"):
             rate = f", {t['examples_per_s']:,.0f} ex/s" if t.get("examples_per_s") else ""
-            lines.append(f"rank {t['rank']} ({t['role']} on {t['node_ip']}): {t['timed_steps']} steps, input wait "
+            # the first step of each attempt traces the step function and is left out of the timing
+            ran = f"{t['steps']} steps, " if t.get("steps") else ""
+            lines.append(f"rank {t['rank']} ({t['role']} on {t['node_ip']}): {ran}{t['timed_steps']} timed: input wait "
                          f"{t['input_wait_s']:.2f} s, step {t['step_s']:.2f} s{rate}")
     return "\n".join(lines)
 
