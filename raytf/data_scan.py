@@ -78,8 +78,7 @@ def _column_info(field: pa.Field, key: str) -> Column:
     nested = _list_shape(t)
     if nested is not None and _is_number(nested[1]):
         shape, value_type = nested
-        return Column(field.name, _tensor_dtype(value_type) if len(shape) > 1 else "float32", shape,
-                      values=_values_kind(value_type))
+        return Column(field.name, _tensor_dtype(value_type), shape, values=_values_kind(value_type))
     if nested is not None and _is_text(nested[1]):  # e.g. tags: a fixed number of strings per row, (batch, n)
         return Column(field.name, "string", nested[0])
     raise SpecError(f"{key}: column {field.name!r} has type {t}, which raytf cannot make a tensor from; "
@@ -91,8 +90,12 @@ def _values_kind(t: pa.DataType) -> str:
 
 
 def _tensor_dtype(t: pa.DataType) -> str:
-    """A tensor column's dtype: uint8 stays (images, a quarter of float32's memory), other numbers float32."""
-    return "uint8" if pa.types.is_uint8(t) else "float32"
+    """A list or tensor column's dtype, as a number column's: integers int64 (ids above 2**24 stay exact, as
+    float32 would not keep them), except uint8, which stays (images, a quarter of float32's memory); floats
+    float32."""
+    if pa.types.is_uint8(t):
+        return "uint8"
+    return "int64" if pa.types.is_integer(t) or pa.types.is_boolean(t) else "float32"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -142,6 +142,23 @@ def test_nulls_are_reported_with_the_column_name():
         shard_reader.to_numpy(pa.array([1.0, None]), data.Column("x", "float32"))
 
 
+def test_integer_id_lists_stay_exact_integers(tmp_path):
+    """Hashed ids above 2**24 (float32 has 24 bits of mantissa) in list and tensor columns arrive as int64,
+    as a scalar int column does; uint8 images stay uint8 and float lists float32."""
+    big = 2**24 + 1  # float32(16777217) == 16777216
+    ids = pa.array([[big, big + 2], [3, 4]], pa.list_(pa.int64(), 2))
+    tensor = pa.ExtensionArray.from_storage(pa.fixed_shape_tensor(pa.int32(), (2,)),
+                                            pa.FixedSizeListArray.from_arrays(pa.array([1, 2, 3, 4], pa.int32()), 2))
+    table = pa.table({"ids": ids, "tensor": tensor, "pixels": pa.array([[1, 2], [3, 4]], pa.list_(pa.uint8(), 2)),
+                      "vec": pa.array([[0.5, 1.5], [2.5, 3.5]], pa.list_(pa.float64())), "y": [0, 1]})
+    pq.write_table(table, tmp_path / "ids.parquet")
+    info = data_scan.read_info(str(tmp_path / "ids.parquet"), ["ids", "tensor", "pixels", "vec"], "y")
+    assert [(c.name, c.dtype) for c in info.features] == [("ids", "int64"), ("tensor", "int64"), ("pixels", "uint8"),
+                                                          ("vec", "float32")]
+    read = shard_reader.to_numpy(table.column("ids"), info.features[0])
+    assert read.dtype == np.int64 and read.tolist() == [[big, big + 2], [3, 4]]
+
+
 def test_globs_and_file_uris_find_the_same_rows(dataset_dir):
     by_dir = data_scan.read_info(str(dataset_dir), ["x"], "y")
     by_glob = data_scan.read_info(str(dataset_dir / "part-*.parquet"), ["x"], "y")
