@@ -247,6 +247,10 @@ class ElasticSpec(StrictModel):
 class FailureSpec(StrictModel):
     hang_timeout_s: float = Field(default=300.0, gt=0, description=(
         "With no progress from a rank for this long, the attempt is declared hung and torn down."))
+    hang_mode: Literal["restart", "observe"] = Field(default="restart", description=(
+        "What the watchdog does after hang_timeout_s without progress. Both write every rank's Python stacks to "
+        "<output.dir>/hangs/attempt-<n>/ and say what each rank was doing; restart: then tear the attempt down (a "
+        "restart under max_restarts); observe: only report (once per rank and attempt) and keep waiting."))
     max_restarts: int = Field(default=0, ge=0, description=(
         "Restarts after a worker or node dies, hangs or loses its network: from the latest checkpoint, or from the "
         "start when checkpoint.dir is not set."))

@@ -181,6 +181,17 @@ class FakeGroup:
                                 steps_per_s=h.script.steps_per_s, checkpoint_s=h.script.checkpoint_s))
         return out
 
+    def stacks(self, timeout_s: float) -> list[dict | None]:
+        """A hung rank is in the user's code, the others wait in TensorFlow's step (their collective)."""
+        now = self.clock.now()
+        out = []
+        for h in sorted(self.handles, key=lambda h: h.rank):
+            stuck = h.script.hang_after is not None and now - h.started >= h.script.hang_after
+            out.append({"doing": "user code" if stuck else "a TensorFlow step or collective",
+                        "where": "tmodel.py:7 in stall" if stuck else "steps.py:1 in step", "others": [],
+                        "text": f"Thread MainThread (training):\n  rank {h.rank}\n"})
+        return out
+
     def stop_at(self, ranks: list[int], step: int, timeout_s: float) -> list[StopAnswer | None]:
         self.world.stop_requests.append((list(ranks), step))
         out = []

@@ -78,6 +78,24 @@ def test_a_hang_is_caught_at_hang_timeout_s(tmp_path):
     detected_after = restart["time"] - (started + 5.0)
     assert 30 <= detected_after <= 30 + 2 * Limits().poll_interval_s, detected_after
     assert hung_at > restart["time"]
+    # every rank's stacks were asked for and written before the teardown, a line per rank
+    [named] = result.hangs
+    assert named["attempt"] == 1 and named["ranks"] == [1] and named["torn_down"]
+    assert named["lines"] == ["rank 0 (chief): a TensorFlow step or collective at steps.py:1 in step",
+                              "rank 1 (worker, no progress): user code at tmodel.py:7 in stall"]
+    report = tmp_path / "out" / named["folder"] / "rank-1.txt"
+    assert report.read_text().startswith(named["lines"][1]) and "Thread MainThread (training)" in report.read_text()
+
+
+def test_with_hang_mode_observe_a_hang_is_named_once_and_the_job_goes_on(tmp_path):
+    job = make_job(tmp_path, failure={"hang_timeout_s": 30, "max_restarts": 0, "hang_mode": "observe"})
+    script = lambda attempt, task: Script(finish_after=200.0, hang_after=5.0 if task.rank == 1 else None)  # noqa: E731
+    c, world, clock = make(tmp_path, script, job)
+    result = run_fast(c)
+    assert result.status == "succeeded" and result.restarts == []  # it ended as it would have
+    [named] = result.hangs  # once, though rank 1 stayed silent for the rest of the run
+    assert named["ranks"] == [1] and not named["torn_down"]
+    assert (tmp_path / "out" / "hangs" / "attempt-1" / "rank-0.txt").is_file()
 
 
 def test_a_rank_that_says_no_steps_is_alive_while_it_computes_and_hung_once_it_stops(tmp_path):

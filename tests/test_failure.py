@@ -139,3 +139,59 @@ def test_a_sentence_keras_wraps_over_lines_is_kept_whole_in_the_one_line_error()
                                      "`get_config()`.")
     assert summary("bad shape (2, 3)\nValueError: more") == "bad shape (2, 3)"
     assert summary("one line\nAnother sentence") == "one line"
+
+
+# ---------------------------------------------------------------- a hang, named (raytf.actor.stacks)
+
+SITE = "/usr/lib/python3.11/site-packages"
+RAYTF_LOOP = __import__("raytf.actor.loop", fromlist=["x"]).__file__
+
+
+@pytest.mark.parametrize("innermost, expected", [
+    # stuck in the user's own code: its line
+    ([("/job/stall.py", 15, "gen", "time.sleep(3600)")], ("user code", "stall.py:15 in gen")),
+    # an all-reduce waits inside TensorFlow's execution of the step raytf's loop called
+    ([(f"{SITE}/tensorflow/python/eager/execute.py", 53, "quick_execute", "")],
+     ("a TensorFlow step or collective", "loop.py:90 in run")),
+    # a checkpoint upload stuck in pyarrow's file system
+    ([(f"{SITE}/raytf_storage_shim.py", 1, "x", ""), (f"{SITE}/pyarrow/fs.py", 300, "open_output_stream", "")],
+     ("storage I/O", "fs.py:300 in open_output_stream")),
+    # waiting for the next batch from tf.data
+    ([(f"{SITE}/tensorflow/python/data/ops/iterator_ops.py", 800, "get_next", "")],
+     ("input", "loop.py:90 in run")),
+])
+def test_what_a_stuck_rank_is_doing_is_read_from_its_innermost_telling_frame(innermost, expected):
+    from raytf.actor import stacks
+
+    outer = [("/usr/lib/python3.11/threading.py", 1000, "run", ""), (RAYTF_LOOP, 90, "run", "")]
+    assert stacks.doing(outer + innermost) == expected
+
+
+def test_a_snapshot_finds_the_training_thread_in_the_users_code_and_says_it_per_rank():
+    import threading
+
+    from raytf.actor import stacks
+    from raytf.driver import hangs
+
+    stuck, started = threading.Event(), []
+
+    def train_fn():  # this test file stands in for the user's
+        started.append(threading.get_ident())
+        stuck.wait(30)
+
+    thread = threading.Thread(target=train_fn, name="train")
+    thread.start()
+    while not started:
+        pass
+    try:
+        threads = stacks.snapshot(started[0])
+    finally:
+        stuck.set()
+        thread.join()
+    doing, where, _ = stacks.summary(threads)
+    assert doing == "user code" and where.startswith("test_failure.py:") and where.endswith("in train_fn"), where
+    assert threads[0]["training"] and "stuck.wait(30)" in stacks.text(threads[:1])
+    answer = {"doing": doing, "where": where, "others": [], "text": "..."}
+    assert hangs.lines([None, answer], [1], {0: "chief", 1: "worker"}) == [
+        "rank 0 (chief): did not answer within 5s (its process holds Python's lock)",
+        f"rank 1 (worker, no progress): user code at {where}"]

@@ -6,6 +6,7 @@ import os
 import shutil
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -146,6 +147,13 @@ def test_a_stalled_worker_is_detected_within_the_hang_timeout_and_restarted(clus
     detected_after = result.restarts[0]["time"] - stalled_at
     assert hang_timeout_s <= detected_after <= hang_timeout_s + 8, detected_after
     assert [t["steps"] for t in result.tasks] == [80, 80]
+    sleeps_at = next(i for i, line in enumerate(rank_one_data().splitlines(), 1) if "time.sleep(3600)" in line)
+    # named before the restart: rank 1's generator asleep in the user's file (in tf.data's thread), its stacks kept
+    [named] = result.hangs
+    assert named["lines"][1].startswith("rank 1 (worker, no progress): a TensorFlow step or collective at ")
+    assert "user code in native thread " in named["lines"][1] and named["lines"][1].endswith(
+        f"stall.py:{sleeps_at} in gen"), named["lines"]
+    assert "time.sleep(3600)" in (Path(result.output_dir) / named["folder"] / "rank-1.txt").read_text()
     assert_nothing_left()
 
 

@@ -232,6 +232,12 @@ def test_a_fit_longer_than_the_hang_timeout_lives_and_a_stuck_train_fn_is_caught
     assert epochs[0]["seconds"] >= 2 * 4, f"the epoch must outlast the hang timeout 2x: {epochs}"
     assert result["restarts"] == [] and [t["rank"] for t in result["tasks"]] == [0, 1]
     assert time.monotonic() - started < 200
+    # before the teardown, each rank said where it was: the script's own line, and its stacks are kept
+    stuck_at = f"slow_fit.py:{line_of(SLOW_FIT_THEN_STUCK, 'time.sleep(3600)')} in train"
+    [named] = result["hangs"]
+    assert [line.split(": ", 1)[1] for line in named["lines"]] == [f"user code at {stuck_at}"] * 2, named
+    assert f"raytf:   rank 1 (worker, no progress): user code at {stuck_at}" in proc.stderr
+    assert "time.sleep(3600)" in (root / "runs" / named["folder"] / "rank-1.txt").read_text()
 
 
 # SIGTERM, the signal that skipped the Ctrl-C path (ray.init replaced raytf's handler); SIGINT is Python's own

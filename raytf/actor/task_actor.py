@@ -47,6 +47,7 @@ class TaskActor:
         self._tempdir_before = tempfile.tempdir
         self._job_root = os.getcwd()  # the job folder as Ray unpacked it on this node, shared by its tasks
         self._jobs = 0  # jobs set up in this process (more than one: a sweep's trials, one after another)
+        self._training_thread: int | None = None  # the thread `train` runs in (its stack leads a hang's report)
         # Import TensorFlow while the rendezvous goes on (seconds of CPU; reading TF_CONFIG and starting
         # the server happen later, in setup). setup waits for this import through Python's import lock.
         self._tf_import = threading.Thread(target=_import_tensorflow, daemon=True)
@@ -139,6 +140,7 @@ class TaskActor:
 
     def train(self, payload: WorkerPayload) -> Outcome:
         started = time.time()
+        self._training_thread = threading.get_ident()
         try:
             try:
                 outcome = self._backend.train(self._started, self._task, payload, self._ctx)
@@ -177,6 +179,15 @@ class TaskActor:
 
     def progress(self) -> Progress:
         return self._channel.progress() if self._channel else Progress(updated=time.time())
+
+    def stacks(self) -> dict[str, Any]:
+        """Every thread's Python stack and what the training thread is doing (raytf.actor.stacks), for the
+        driver's report of a hang (answered while train runs, like progress)."""
+        from raytf.actor import stacks
+
+        threads = stacks.snapshot(self._training_thread)
+        doing, where, others = stacks.summary(threads)
+        return {"doing": doing, "where": where, "others": others, "text": stacks.text(threads)}
 
 
 def _import_tensorflow() -> None:

@@ -106,6 +106,7 @@ class Attempt:
     replacing: list[Replacement] = dataclasses.field(default_factory=list)
     replacements: ReplacementPolicy | None = None
     standby_armed: bool = False
+    hangs_named: set[int] = dataclasses.field(default_factory=set)  # ranks whose hang was reported (hang_mode observe)
     drains: DrainWatch | None = None  # its nodes' drain notices (raytf.driver.drain)
     last_step: int = 0  # the furthest optimizer step any rank reported
 

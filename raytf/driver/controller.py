@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 from raytf import backends
 from raytf.checkpoint import UNLISTED, Storage
 from raytf.driver import failure as failure_lib
+from raytf.driver import hangs
 from raytf.driver import result_record
 from raytf.driver.attempt import Attempt, EpochFeed, Rate, Replacement, build_payload
 from raytf.driver.callbacks import Callback
@@ -297,7 +298,11 @@ class Controller:
                 return self._attempt_failed(drained, a.drains.node_ips)
             watched = {r: seen.at for r, seen in a.progress_seen.items() if r not in a.outcomes}
             hung, message = hung_ranks(watched, before_first, now, hang_timeout_s, self.limits, self.backend.who)
-            if hung:
+            if hung and not set(hung) <= a.hangs_named:  # every rank's stacks, before a restart (or instead)
+                a.hangs_named |= set(hung)
+                self.result.hangs.append(hangs.name(a, self.backend, hung, len(self.decisions) + 1, self.job.output_dir,
+                                                    self.spec.failure.hang_mode, self.display.message))
+            if hung and self.spec.failure.hang_mode == "restart":
                 return self._attempt_failed(Failure("hang", message, tuple(hung), {message: hung}),
                                             sorted({a.tasks[r].node_ip for r in hung}))
             chief = progress[0]

@@ -44,6 +44,8 @@ class WorkerGroup(Protocol):
     def train(self, payload: "WorkerPayload") -> list[Any]: ...  # one handle per rank
     def wait(self, handles: list[Any], timeout_s: float) -> list[Finished]: ...  # those done, maybe none
     def progress(self, timeout_s: float) -> "list[Progress | None]": ...  # by rank; None: no answer
+    # by rank: {doing, where, others, text} (raytf.actor.stacks), None where a rank did not answer in time
+    def stacks(self, timeout_s: float) -> "list[dict | None]": ...
     def replace(self, task: "Task", payload: "WorkerPayload", timeout_s: float) -> Any: ...  # a new handle
     # A drain notice: these ranks stop after optimizer step `step` and checkpoint there. In the order of
     # `ranks`, each one's answer, or None where it did not answer in time.

@@ -217,6 +217,18 @@ class RayWorkerGroup:
                 out.append(None)
         return out
 
+    def stacks(self, timeout_s: float) -> list[dict | None]:
+        """Each rank's threads' stacks and what it was doing; None for a rank that did not answer in time."""
+        refs = [a.stacks.remote() for a in self._by_rank]
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0])
+        out: list[dict | None] = []
+        for ref in refs:
+            try:
+                out.append(ray.get(ref) if ref in ready else None)
+            except Exception:
+                out.append(None)
+        return out
+
     def stop_at(self, ranks: list[int], step: int, timeout_s: float) -> list[StopAnswer | None]:
         refs = [self._by_rank[r].stop_at.remote(step) for r in ranks]
         ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0])

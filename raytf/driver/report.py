@@ -42,6 +42,7 @@ class Result:
     # restart kept ("per_replica_batch", "global_batch"; "as_asked" with all workers)
     batch: dict[str, Any] | None = None
     restarts: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # when, why, ranks, nodes, resumed step
+    hangs: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # each hang named (raytf.driver.hangs)
     phases: dict[str, float] = dataclasses.field(default_factory=dict)  # reserve_s, start_s, train_s, finish_s
     error: str | None = None  # why it failed; for "stopped", the scheduler's reason
     traceback: str | None = None  # a failed task's whole traceback (-v prints it)
