@@ -81,8 +81,11 @@ def test_a_hang_is_caught_at_hang_timeout_s(tmp_path):
     # every rank's stacks were asked for and written before the teardown, a line per rank
     [named] = result.hangs
     assert named["attempt"] == 1 and named["ranks"] == [1] and named["torn_down"]
-    assert named["lines"] == ["rank 0 (chief): a TensorFlow step or collective at steps.py:1 in step",
-                              "rank 1 (worker, no progress): user code at tmodel.py:7 in stall"]
+    rank_0, rank_1 = named["lines"]  # with each rank's last step: rank 1's is the one it stopped at, 5 s in
+    assert rank_0.startswith("rank 0 (chief, step ") and rank_0.endswith(
+        " train): a TensorFlow step or collective at steps.py:1 in step"), rank_0
+    assert rank_1 == (f"rank 1 (worker, step {int(5 * Script().steps_per_s)} train, no progress): "
+                      f"user code at tmodel.py:7 in stall")
     report = tmp_path / "out" / named["folder"] / "rank-1.txt"
     assert report.read_text().startswith(named["lines"][1]) and "Thread MainThread (training)" in report.read_text()
 

@@ -300,8 +300,8 @@ class Controller:
             hung, message = hung_ranks(watched, before_first, now, hang_timeout_s, self.limits, self.backend.who)
             if hung and not set(hung) <= a.hangs_named:  # every rank's stacks, before a restart (or instead)
                 a.hangs_named |= set(hung)
-                self.result.hangs.append(hangs.name(a, self.backend, hung, len(self.decisions) + 1, self.job.output_dir,
-                                                    self.spec.failure.hang_mode, self.display.message))
+                self.result.hangs.append(hangs.name(a, self.backend, hung, progress, len(self.decisions) + 1,
+                                                    self.job.output_dir, self.spec.failure.hang_mode, self.display.message))
             if hung and self.spec.failure.hang_mode == "restart":
                 return self._attempt_failed(Failure("hang", message, tuple(hung), {message: hung}),
                                             sorted({a.tasks[r].node_ip for r in hung}))

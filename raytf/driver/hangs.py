@@ -10,11 +10,14 @@ from typing import Any
 STACKS_TIMEOUT_S = 5.0  # a rank's answer; a process blocked holding Python's lock cannot answer at all
 
 
-def lines(answers: list[dict | None], hung: list[int], role_of: dict[int, str]) -> list[str]:
-    """One line per rank: `rank 1 (worker, no progress): user code at stall.py:15 in gen`."""
+def lines(answers: list[dict | None], hung: list[int], role_of: dict[int, str], progress: list | None = None) -> list[str]:
+    """One line per rank, with its last step and phase where it said them: `rank 1 (worker, step 30 train, no
+    progress): user code at stall.py:15 in gen`."""
     out = []
     for rank, answer in enumerate(answers):
-        who = f"rank {rank} ({role_of.get(rank, 'worker')}{', no progress' if rank in hung else ''})"
+        said = progress[rank] if progress and rank < len(progress) else None
+        last = f", step {said.global_step} {said.phase}" if said is not None else ""
+        who = f"rank {rank} ({role_of.get(rank, 'worker')}{last}{', no progress' if rank in hung else ''})"
         if answer is None:
             out.append(f"{who}: did not answer within {STACKS_TIMEOUT_S:g}s (its process holds Python's lock)")
             continue
@@ -36,10 +39,12 @@ def write(folder: Path, attempt: int, answers: list[dict | None], said: list[str
     return str(where)
 
 
-def name(attempt, backend, hung: list[int], number: int, output_dir: Path, mode: str, say) -> dict[str, Any]:
-    """Ask every rank of `attempt` where it is, write the report, `say` it; result.json's entry for the hang."""
+def name(attempt, backend, hung: list[int], progress: list, number: int, output_dir: Path, mode: str,
+         say) -> dict[str, Any]:
+    """Ask every rank of `attempt` where it is, write the report, `say` it; result.json's entry for the hang.
+    `progress`: each rank's last progress (its step and phase: train, validating, checkpointing, ...)."""
     answers = attempt.group.stacks(STACKS_TIMEOUT_S)
-    said = lines(answers, hung, {t.rank: backend.role_name(t) for t in attempt.tasks})
+    said = lines(answers, hung, {t.rank: backend.role_name(t) for t in attempt.tasks}, progress)
     folder = write(output_dir, number, answers, said)
     say(f"raytf: no progress from {backend.who(hung)}; every rank's stacks are in {folder}/"
         + (" (failure.hang_mode observe: the job goes on)" if mode == "observe" else ""))
