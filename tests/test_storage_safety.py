@@ -113,6 +113,38 @@ def test_two_drivers_on_one_bucket_the_second_is_refused_and_only_the_holder_wri
         third.release()
 
 
+@pytest.mark.timeout(60)
+def test_a_rank_stuck_writing_to_storage_is_named_storage_io_in_its_hang_report(s3, monkeypatch):
+    """What a hang's report (raytf.actor.stacks) says of a thread whose write the endpoint holds: a real
+    pyarrow S3 upload through raytf's storage calls, to a proxy that never answers."""
+    import threading
+
+    from raytf.actor import stacks
+    from tests.s3_server import FaultProxy
+
+    proxy = FaultProxy(s3.endpoint).fault("hold", match="PUT ")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    folder = Folder(f"s3://{s3.bucket()}/ckpt", timeout_s=30)
+    def write():
+        try:
+            folder.write_bytes("raytf.json", b"{}")
+        except Exception:  # the proxy goes away at the end: the write fails, as it should
+            pass
+
+    writer = threading.Thread(target=write, daemon=True)
+    try:
+        writer.start()
+        deadline = time.monotonic() + 20
+        while proxy.held < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert proxy.held >= 1
+        threads = stacks.snapshot(writer.ident)
+        doing, where, _ = stacks.summary(threads)
+        assert doing == "storage I/O" and where.startswith("storage.py:"), (doing, where)
+    finally:
+        proxy.close()  # the write fails (after pyarrow's retries, in the background)
+
+
 def test_a_silent_endpoint_is_an_error_within_the_deadline_not_a_hang(s3, job_dir):
     from tests.s3_server import FaultProxy
 
