@@ -195,3 +195,16 @@ def test_a_snapshot_finds_the_training_thread_in_the_users_code_and_says_it_per_
     assert hangs.lines([None, answer], [1], {0: "chief", 1: "worker"}) == [
         "rank 0 (chief): did not answer within 5s (its process holds Python's lock)",
         f"rank 1 (worker, no progress): user code at {where}"]
+
+
+def test_a_hang_report_never_overwrites_an_earlier_one_and_a_new_run_moves_them_aside(tmp_path):
+    """A resumed run counts its attempts from 1 again: its report goes beside the first, not over it."""
+    from raytf.driver import hangs
+    from raytf.driver.output import RESULTS
+
+    answer = {"doing": "user code", "where": "x.py:1 in f", "others": [], "text": "stack"}
+    first = hangs.write(tmp_path, 1, [answer], ["rank 0 (chief): first"])
+    again = hangs.write(tmp_path, 1, [answer], ["rank 0 (chief): again"])
+    assert (first, again) == ("hangs/attempt-1", "hangs/attempt-1-1")
+    assert (tmp_path / first / "rank-0.txt").read_text().startswith("rank 0 (chief): first")
+    assert "hangs" in RESULTS  # an earlier run's reports go to earlier-runs/ with its other results

@@ -32,8 +32,10 @@ def write(folder: Path, attempt: int, answers: list[dict | None], said: list[str
     """rank-<r>.txt per rank (its line, then every thread's stack) in <folder>/hangs/attempt-<n>/; returns
     that folder relative to output.dir."""
     where = Path("hangs") / f"attempt-{attempt}"
+    while (folder / where).exists():  # a resumed run counts its attempts from 1 again: never overwrite
+        where = where.with_name(where.name + "-1")
     target = folder / where
-    target.mkdir(parents=True, exist_ok=True)
+    target.mkdir(parents=True)
     for rank, (answer, line) in enumerate(zip(answers, said)):
         (target / f"rank-{rank}.txt").write_text(line + "\n\n" + (answer["text"] if answer else "") + "\n")
     return str(where)

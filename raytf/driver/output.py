@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 LOCK = ".raytf-lock"
 EARLIER = "earlier-runs"  # an earlier run's results, moved aside (never deleted): earlier-runs/<when>/
 # What a run writes into output.dir (raytf.actor.export, raytf.driver.report), and so what an earlier run left.
-RESULTS = ("result.json", "model.keras", "saved_model", "tensorboard", "outputs")
+RESULTS = ("result.json", "model.keras", "saved_model", "tensorboard", "outputs", "hangs")
 
 
 def check(job: Job) -> Path:
