@@ -206,39 +206,14 @@ class RayWorkerGroup:
 
     def progress(self, timeout_s: float) -> list[Progress | None]:
         """Each rank's latest progress; None for a rank that did not answer in time."""
-        refs = [a.progress.remote() for a in self._by_rank]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        ready_set = set(ready)
-        out: list[Progress | None] = []
-        for ref in refs:
-            try:
-                out.append(ray.get(ref) if ref in ready_set else None)
-            except Exception:
-                out.append(None)
-        return out
+        return answers([a.progress.remote() for a in self._by_rank], timeout_s)
 
     def stacks(self, timeout_s: float) -> list[dict | None]:
         """Each rank's threads' stacks and what it was doing; None for a rank that did not answer in time."""
-        refs = [a.stacks.remote() for a in self._by_rank]
-        ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0])
-        out: list[dict | None] = []
-        for ref in refs:
-            try:
-                out.append(ray.get(ref) if ref in ready else None)
-            except Exception:
-                out.append(None)
-        return out
+        return answers([a.stacks.remote() for a in self._by_rank], timeout_s)
 
     def stop_at(self, ranks: list[int], step: int, timeout_s: float) -> list[StopAnswer | None]:
-        refs = [self._by_rank[r].stop_at.remote(step) for r in ranks]
-        ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0])
-        out: list[StopAnswer | None] = []
-        for ref in refs:
-            try:
-                out.append(ray.get(ref) if ref in ready else None)
-            except Exception:
-                out.append(None)
-        return out
+        return answers([self._by_rank[r].stop_at.remote(step) for r in ranks], timeout_s)
 
     def stop(self) -> None:
         with self._lock:
@@ -278,6 +253,19 @@ class RayWorkerGroup:
                 error.traceback = getattr(cause, "traceback", None)
                 raise error from None
         return ray.get(refs)
+
+
+def answers(refs: list, timeout_s: float) -> list:
+    """The results of calls made to several actors at once, in order: None for one that did not answer within
+    `timeout_s` (all wait together) or failed."""
+    ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0])
+    out = []
+    for ref in refs:
+        try:
+            out.append(ray.get(ref) if ref in ready else None)
+        except Exception:
+            out.append(None)
+    return out
 
 
 # In a sweep's trial process (a Tune actor Tune reuses for the next trial on the same placement group): the
