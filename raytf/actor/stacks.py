@@ -36,9 +36,10 @@ def where(frame: Frame) -> str:
 
 def doing(stack: list[Frame]) -> tuple[str, str]:
     """What a thread is doing, from its stack (outermost first): ("user code" | "storage I/O" | "input" |
-    "a TensorFlow step or collective" | "raytf", where). The innermost frame that says it decides: the user's own
-    line, raytf's or pyarrow's storage calls, tf.data or raytf's readers, TensorFlow's execution of a step (its
-    all-reduce waits there); the user's or raytf's line that called into TensorFlow is the `where`."""
+    "a TensorFlow step or collective" | "raytf", where). The innermost frame that says it decides (Python's own
+    library frames, a lock's wait, say nothing): the user's own line, raytf's or pyarrow's storage calls, tf.data
+    or raytf's readers, TensorFlow's execution of a step (its all-reduce waits there), raytf's other code; the
+    user's or raytf's line that called into TensorFlow is the `where`."""
     for i in range(len(stack) - 1, -1, -1):
         name = stack[i][0].replace(os.sep, "/")
         if is_user(stack[i][0]):
@@ -49,6 +50,8 @@ def doing(stack: list[Frame]) -> tuple[str, str]:
             return "input", where(_caller(stack, i))
         if any(mark in name for mark in _TENSORFLOW):
             return "a TensorFlow step or collective", where(_caller(stack, i))
+        if os.path.realpath(stack[i][0]).startswith(_RAYTF):  # raytf's own wait, not the user line that called it
+            return "raytf", where(stack[i])
     return "raytf", where(stack[-1]) if stack else "?"
 
 
