@@ -196,7 +196,7 @@ def test_a_snapshot_finds_the_training_thread_in_the_users_code_and_says_it_per_
     assert threads[0]["training"] and "stuck.wait(30)" in stacks.text(threads[:1])
     answer = {"doing": doing, "where": where, "others": [], "text": "..."}
     assert hangs.lines([None, answer], [1], {0: "chief", 1: "worker"}) == [
-        "rank 0 (chief): did not answer within 5s (its process holds Python's lock)",
+        "rank 0 (chief): did not answer within 5s (its process is gone, or holds Python's lock)",
         f"rank 1 (worker, no progress): user code at {where}"]
 
 

@@ -15,16 +15,16 @@ def lines(answers: list[dict | None], hung: list[int], role_of: dict[int, str], 
     progress): user code at stall.py:15 in gen`."""
     out = []
     for rank, answer in enumerate(answers):
-        said = progress[rank] if progress and rank < len(progress) else None
-        last = f", step {said.global_step} {said.phase}" if said is not None else ""
+        seen = progress[rank] if progress and rank < len(progress) else None
+        last = f", step {seen.global_step} {seen.phase}" if seen is not None else ""
         who = f"rank {rank} ({role_of.get(rank, 'worker')}{last}{', no progress' if rank in hung else ''})"
         if answer is None:
-            out.append(f"{who}: did not answer within {STACKS_TIMEOUT_S:g}s (its process holds Python's lock)")
+            out.append(f"{who}: did not answer within {STACKS_TIMEOUT_S:g}s (its process is gone, or holds Python's lock)")
             continue
-        said = f"{who}: {answer['doing']}" + (f" at {answer['where']}" if answer.get("where") else "")
+        line = f"{who}: {answer['doing']}" + (f" at {answer['where']}" if answer.get("where") else "")
         if answer.get("others"):
-            said += "; user code in " + ", ".join(answer["others"][:3])
-        out.append(said)
+            line += "; user code in " + ", ".join(answer["others"][:3])
+        out.append(line)
     return out
 
 
