@@ -95,7 +95,7 @@ def _tensor_dtype(t: pa.DataType) -> str:
     float32."""
     if pa.types.is_uint8(t):
         return "uint8"
-    return "int64" if pa.types.is_integer(t) or pa.types.is_boolean(t) else "float32"
+    return "int64" if pa.types.is_integer(t) else "float32"
 
 
 @dataclasses.dataclass(frozen=True)

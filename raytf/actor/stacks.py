@@ -30,6 +30,10 @@ def is_user(filename: str) -> bool:
     return not path.startswith(_RAYTF) and not path.startswith(_LIBRARIES) and "/site-packages/" not in path
 
 
+def _is_raytf(filename: str) -> bool:
+    return os.path.realpath(filename).startswith(_RAYTF)
+
+
 def where(frame: Frame) -> str:
     return f"{os.path.basename(frame[0])}:{frame[1]} in {frame[2]}"
 
@@ -50,7 +54,7 @@ def doing(stack: list[Frame]) -> tuple[str, str]:
             return "input", where(_caller(stack, i))
         if any(mark in name for mark in _TENSORFLOW):
             return "a TensorFlow step or collective", where(_caller(stack, i))
-        if os.path.realpath(stack[i][0]).startswith(_RAYTF):  # raytf's own wait, not the user line that called it
+        if _is_raytf(stack[i][0]):  # raytf's own wait, not the user line that called it
             return "raytf", where(stack[i])
     return "raytf", where(stack[-1]) if stack else "?"
 
@@ -58,7 +62,7 @@ def doing(stack: list[Frame]) -> tuple[str, str]:
 def _caller(stack: list[Frame], i: int) -> Frame:
     """The innermost user or raytf frame at or above `i`: the line that called into the library."""
     for j in range(i, -1, -1):
-        if is_user(stack[j][0]) or os.path.realpath(stack[j][0]).startswith(_RAYTF):
+        if is_user(stack[j][0]) or _is_raytf(stack[j][0]):
             return stack[j]
     return stack[i]
 
