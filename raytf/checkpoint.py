@@ -146,11 +146,11 @@ class Storage:
     def upload(self, local_dir: str, meta: dict[str, Any]) -> str:
         """Copy local_dir's files to ckpt-<step>/, then write raytf.json: the marker of a complete checkpoint.
         A complete checkpoint already at that step is never written into (it is returned as it is); an
-        incomplete one (an upload cut short) is replaced."""
+        incomplete one (an upload cut short, before or while it wrote raytf.json) is replaced."""
         name = f"{PREFIX}{meta['step']:012d}"
         target = self._full(name)
         found = self.fs.get_file_info([target, posixpath.join(target, META)])
-        if found[1].type == pafs.FileType.File:
+        if found[1].type == pafs.FileType.File and self._complete(target):
             return self.uri(target)
         if found[0].type == pafs.FileType.Directory:
             self.fs.delete_dir(target)
@@ -163,6 +163,18 @@ class Storage:
         with self.fs.open_output_stream(posixpath.join(target, META)) as f:
             f.write(json.dumps(meta).encode())
         return self.uri(target)
+
+    def _complete(self, folder: str) -> bool:
+        """Whether a checkpoint folder's raytf.json reads as one (a write cut short leaves it empty or half)."""
+        with self.fs.open_input_stream(posixpath.join(folder, META)) as f:
+            return _parse(self.uri(folder), f.read())[0] is not None
+
+    def folders(self) -> list[str]:
+        """Every checkpoint folder's path, complete or not (to clear a folder: `list` shows only complete ones)."""
+        entries = self._within(lambda: self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True)),
+                               "listing its folders")
+        return [e.path for e in entries
+                if e.type == pafs.FileType.Directory and posixpath.basename(e.path.rstrip("/")).startswith(PREFIX)]
 
     def download(self, checkpoint: CheckpointInfo, local_dir: str) -> None:
         fs, path = open_fs(checkpoint.path)

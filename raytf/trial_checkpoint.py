@@ -40,19 +40,26 @@ def drop_before(storage: Storage, checkpoint: CheckpointInfo) -> None:
             _delete(storage, old)
 
 
-def _delete(storage: Storage, checkpoint: CheckpointInfo, strict: bool = False) -> None:
+def _delete(storage: Storage, checkpoint: CheckpointInfo) -> None:
     path = checkpoint.path.split("://", 1)[1] if "://" in checkpoint.path else checkpoint.path
     try:
         storage.fs.delete_dir(path)
-    except Exception:  # already gone; or, when it must go (`strict`), a store that refuses
-        if strict and any(c.step == checkpoint.step for c in storage.list()):
-            raise
+    except Exception:  # already gone
+        pass
 
 
 def clear(storage: Storage) -> None:
-    """Delete every checkpoint of the trial (they must go: the trial resumes from what is left)."""
-    for old in storage.list():
-        _delete(storage, old, strict=True)
+    """Delete every checkpoint folder of the trial, complete or not (they must go: the trial resumes from what is
+    left, and a folder cut short at the step handed back would otherwise stand in for it)."""
+    for path in storage.folders():
+        try:
+            storage.fs.delete_dir(path)
+        except Exception:  # gone meanwhile; one that stays is named below
+            pass
+    left = storage.folders()
+    if left:
+        raise RuntimeError(f"checkpoint.dir {storage.location}: could not remove {', '.join(left)} before the "
+                           f"hand-back; the trial would not resume from the checkpoint Tune gave it")
 
 
 def pack(storage: Storage, checkpoint: CheckpointInfo, point: str, values: dict[str, Any]) -> str:

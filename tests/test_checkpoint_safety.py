@@ -33,6 +33,17 @@ def test_a_complete_checkpoint_is_never_written_into_and_an_incomplete_one_is_re
     storage.upload(str(second), meta(16))
     assert sorted(os.listdir(cut)) == [META, "state.data-00000-of-00001"]
     assert json.loads((cut / META).read_text())["step"] == 16
+    # one cut short while it wrote raytf.json (empty, or half of it) is replaced too, never returned as complete
+    for broken in (b"", b'{"step": 24, "ep'):
+        half = tmp_path / "ckpts" / "ckpt-000000000024"
+        half.mkdir(exist_ok=True)
+        (half / META).write_bytes(broken)
+        storage.upload(str(second), meta(24))
+        assert json.loads((half / META).read_text())["step"] == 24
+        assert (half / "state.data-00000-of-00001").read_bytes() == b"model B"
+        assert [c.step for c in storage.list()] == [8, 16, 24]
+        for name in os.listdir(half):
+            os.remove(half / name)
 
 
 class _Ctx:

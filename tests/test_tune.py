@@ -310,6 +310,18 @@ def test_a_packed_checkpoint_becomes_the_only_one_and_says_where_it_came_from(tm
     assert open(os.path.join(only.path, "state.index")).read() == f"{donor.location} 44"
     trial_checkpoint.drop_before(donor, donor.latest())
     assert [c.step for c in donor.list()] == [44]
+    # the taker's own checkpoint at the step handed back, cut short while it wrote raytf.json (a kill mid-save),
+    # and a folder with no raytf.json: both go, and the handed-back one is the only one
+    for step, broken in ((44, b'{"step": 4'), (88, None)):
+        cut = tmp_path / "taker" / f"ckpt-{step:012d}"
+        cut.mkdir(exist_ok=True)
+        if broken is not None:
+            (cut / "raytf.json").write_bytes(broken)
+    folder = trial_checkpoint.pack(donor, donor.latest(), "t01", {"lr": 0.1})
+    trial_checkpoint.unpack(folder, taker)
+    (only,) = taker.list()
+    assert only.step == 44 and open(os.path.join(only.path, "state.index")).read() == f"{donor.location} 44"
+    assert sorted(os.listdir(tmp_path / "taker")) == ["ckpt-000000000044"]
 
 
 @pytest.mark.timeout(10)
