@@ -275,6 +275,11 @@ class CheckpointSpec(StrictModel):
     every_epochs: int | None = Field(default=None, ge=1, description=(
         "Checkpoint every this many epochs. None (and no every_steps): every epoch."))
     keep: int = Field(default=3, ge=1, description="Checkpoints kept; older ones are pruned.")
+    background: bool = Field(default=True, description=(
+        "Upload each checkpoint in the background: training goes on once the state is written to the node's "
+        "disk, and the chief uploads it to dir (raytf.json last: visible only once complete) while the next "
+        "steps run; one upload in flight, the next checkpoint waits for it. A drain's checkpoint and the last "
+        "one are complete before the task ends. false: every rank waits for the upload."))
     _uri = field_validator("dir")(classmethod(lambda cls, v: _storage_uri(v)))
 
     @model_validator(mode="after")

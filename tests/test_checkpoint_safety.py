@@ -84,3 +84,50 @@ def test_another_models_checkpoint_is_a_mismatch_naming_it_and_a_damaged_one_is_
         f.truncate(10)
     with pytest.raises(CheckpointCorrupt):
         read_state(tf.train.Checkpoint(model=model(8)), info, location, _Ctx())
+
+
+def test_a_background_upload_takes_the_upload_off_the_step_path_and_raises_its_failure_in_the_training_thread(tmp_path, s3, monkeypatch):
+    """checkpoint.background (the default): the chief's write_state returns once the state is on its disk while
+    a slow S3 endpoint takes the upload (raytf.json last, as before: listed only once complete); the next
+    checkpoint waits for it; a failed upload is raised in the training thread at the next wait. background: false uploads
+    on the step path, as before."""
+    import time
+
+    import tensorflow as tf
+
+    from raytf.actor.context import TaskContext
+    from raytf.actor.loop import write_state
+    from raytf.job import parse
+    from tests.s3_server import FaultProxy
+
+    proxy = FaultProxy(s3.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    location = f"s3://{s3.bucket()}/ckpt"
+    storage = Storage(location)
+    state = tf.train.Checkpoint(w=tf.Variable(tf.zeros([64, 64])))  # 0.1 s a chunk: ~2.5 s an upload
+    saved = {}
+
+    def save(ctx, step):
+        started = time.monotonic()
+        write_state(state, storage, ctx, 2, lambda local: meta(step))
+        saved[step] = time.monotonic() - started
+
+    spec = {"name": "bg", "model": "m:f", "dataset_fn": "m:d", "train": {"global_batch_size": 8, "steps_per_epoch": 4}}
+    ctx = TaskContext(0, 2, parse(spec), str(tmp_path))
+    try:
+        proxy.fault("slow", delay_s=0.1)
+        save(ctx, 8)
+        assert saved[8] < 0.5 and ctx.checkpoint_uploads.in_flight  # on its way while training goes on
+        save(ctx, 16)  # waits for step 8's upload first
+        assert saved[16] > 1.0
+        ctx.checkpoint_uploads.complete()
+        assert [c.step for c in storage.list()] == [8, 16] and ctx.channel.progress().checkpoint_s > 1.0
+        inline = TaskContext(0, 2, parse({**spec, "checkpoint": {"background": False}}), str(tmp_path))
+        save(inline, 24)
+        assert saved[24] > 1.0 and [c.step for c in storage.list()] == [16, 24]  # uploaded and pruned to 2
+        proxy.fault("pass")
+        write_state(state, Storage(f"s3://no-such-bucket-{s3.bucket()}/ckpt"), ctx, 2, lambda local: meta(32))
+        with pytest.raises(Exception, match="no-such-bucket"):  # the store's error, in the training thread
+            ctx.checkpoint_uploads.complete()
+    finally:
+        proxy.close()

@@ -146,6 +146,7 @@ def test_a_sentence_keras_wraps_over_lines_is_kept_whole_in_the_one_line_error()
 SITE = "/usr/lib/python3.11/site-packages"
 RAYTF_LOOP = __import__("raytf.actor.loop", fromlist=["x"]).__file__
 THREADING = __import__("threading").__file__  # this Python's own library
+UPLOADS = __import__("raytf.actor.uploads", fromlist=["x"]).__file__
 
 
 @pytest.mark.parametrize("innermost, expected", [
@@ -157,6 +158,8 @@ THREADING = __import__("threading").__file__  # this Python's own library
     # a checkpoint upload stuck in pyarrow's file system
     ([(f"{SITE}/raytf_storage_shim.py", 1, "x", ""), (f"{SITE}/pyarrow/fs.py", 300, "open_output_stream", "")],
      ("storage I/O", "fs.py:300 in open_output_stream")),
+    # the chief's next checkpoint waits for the one before still uploading in the background
+    ([(UPLOADS, 62, "_wait", ""), (THREADING, 1119, "join", "")], ("storage I/O", "uploads.py:62 in _wait")),
     # waiting for the next batch from tf.data
     ([(f"{SITE}/tensorflow/python/data/ops/iterator_ops.py", 800, "get_next", "")],
      ("input", "loop.py:90 in run")),

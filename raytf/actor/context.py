@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from raytf.errors import NonFiniteLoss
 from raytf.actor.channel import TaskChannel
+from raytf.actor.uploads import Uploads
 from raytf.protocol import DrainStop, WorkerPayload
 from raytf.spec import JobSpec
 
@@ -52,6 +53,7 @@ class TaskContext:
                  payload: WorkerPayload | None = None, channel: TaskChannel | None = None):
         self.rank, self.world_size, self.spec = rank, world_size, spec
         self.channel = channel or TaskChannel(rank)
+        self.checkpoint_uploads = Uploads(self.channel)  # raytf's: the chief's background checkpoint uploads
         self.config = dict(spec.config)  # the job's free-form config: section (Ray Train's train_loop_config)
         self.is_chief = rank == 0
         self.global_batch_size = spec.train.global_batch_size

@@ -147,6 +147,7 @@ def stopped(runner: Runner, checkpoints: "Checkpoints", ctx: TaskContext, global
         runner.sync_state()
         started = time.time()
         checkpoints.save(global_step, epoch, step, history, runner.epoch_totals())
+        checkpoints.complete()  # the restart resumes from it: uploaded before this task returns
         saved = CheckpointSaved(global_step, round(time.time() - started, 3))
     return Outcome(preempted=DrainStop(global_step, saved, round(reached - ctx.channel.stop_requested_at, 3)),
                    history=history, steps=global_step, steps_run=global_step - position.global_step)
@@ -245,6 +246,10 @@ class Checkpoints:
         write_state(self.runner.state, self.storage, self.ctx, self.payload.spec.checkpoint.keep, meta,
                     self.runner.checkpoint_options())
 
+    def complete(self) -> None:
+        """Until the checkpoint uploading in the background is in checkpoint.dir (raises if its upload failed)."""
+        self.ctx.checkpoint_uploads.complete()
+
 
 def read_state(state: tf.train.Checkpoint, resume: CheckpointInfo, location: str, ctx: TaskContext,
                options: tf.train.CheckpointOptions | None = None, check=None, keep_in: str | None = None) -> dict[str, Any]:
@@ -286,11 +291,18 @@ def write_state(state: tf.train.Checkpoint, storage: Storage, ctx: TaskContext, 
     try:
         state.write(os.path.join(local, "state"), options=options)
         if ctx.is_chief:
-            storage.upload(local, {**meta(local), "world_size": ctx.world_size, "saved_at": time.time()})
-            storage.prune(keep)
+            saved = {**meta(local), "world_size": ctx.world_size, "saved_at": time.time()}
+            if ctx.spec.checkpoint.background:
+                ctx.checkpoint_uploads.submit(storage, local, saved, keep, started)  # removes `local` when done
+                local = None
+            else:
+                storage.upload(local, saved)
+                storage.prune(keep)
     finally:
-        shutil.rmtree(local, ignore_errors=True)
-    ctx.channel.checkpointed(time.time() - started)
+        if local is not None:
+            shutil.rmtree(local, ignore_errors=True)
+    if local is not None or not ctx.is_chief:  # a background upload reports its time when it is done
+        ctx.channel.checkpointed(time.time() - started)
     ctx.channel.phase("train")
 
 

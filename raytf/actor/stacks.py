@@ -17,7 +17,7 @@ Frame = tuple[str, int, str, str]  # file, line, function, source line
 _RAYTF = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _LIBRARIES = tuple({os.path.realpath(p) + os.sep for p in (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
                                                            sysconfig.get_paths()["platlib"])})
-_STORAGE = ("/raytf/checkpoint.py", "/raytf/storage.py", "/pyarrow/fs.py", "/raytf/actor/export.py", "/h5py/")
+_STORAGE = ("/raytf/checkpoint.py", "/raytf/storage.py", "/raytf/actor/uploads.py", "/pyarrow/fs.py", "/raytf/actor/export.py", "/h5py/")
 _INPUT = ("/tensorflow/python/data/", "/raytf/actor/shard_reader.py", "/raytf/actor/pipelines.py",
           "/raytf/actor/inputs.py")
 _TENSORFLOW = ("/tensorflow/python/eager/", "/tensorflow/python/distribute/", "/tensorflow/python/ops/")

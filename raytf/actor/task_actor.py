@@ -144,6 +144,7 @@ class TaskActor:
         try:
             try:
                 outcome = self._backend.train(self._started, self._task, payload, self._ctx)
+                self._ctx.checkpoint_uploads.complete()  # the last checkpoint is in checkpoint.dir before "done"
             except Exception as exc:
                 raise raised.capture(exc, [self._job_root, payload.job_dir]) from None
             # artifacts: the chief's model and events, and what the script wrote into its working folder
