@@ -233,6 +233,8 @@ class FakeResources:
         self.nodes = ["node-0", "node-1", "node-2"][:nodes]
         self.drains: list[tuple[float, str, float | None]] = []  # (from when, node id, deadline) as Ray would say
         self.stop_requests: list[tuple[list[int], int]] = []
+        self.room_from: float | None = None  # from when can_place says the missing bundles fit again
+        self.probes: list[int] = []  # bundles asked for, per can_place
         self.refuse_stop: set[int] = set()  # ranks that answer a stop request as already past the step
         self.on_checkpoint: Callable[[int], None] | None = None  # the chief's checkpoint-now, at this step
         self.keep_processes = False  # a sweep's trial process (raytf.actor.reuse): a succeeded group is kept
@@ -282,6 +284,10 @@ class FakeResources:
         if kept is not None:
             kept[0].stop()
         return None
+
+    def can_place(self, bundles, strategy: str, timeout_s: float) -> bool:
+        self.probes.append(len(bundles))
+        return self.room_from is not None and self.clock.now() >= self.room_from
 
     def draining(self) -> dict[str, float | None]:
         return {node: deadline for since, node, deadline in self.drains if since <= self.clock.now()}

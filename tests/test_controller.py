@@ -317,6 +317,39 @@ def test_an_elastic_restart_shrinks_to_what_the_cluster_holds(tmp_path):
     assert world.payloads[-1].spec.cluster.workers == 3 and len(result.tasks) == 3
 
 
+def test_an_elastic_job_grows_back_to_full_size_once_the_missing_workers_fit_again(tmp_path):
+    """4 -> 2 after a node is lost; every grow_check_s the driver asks whether the 2 missing bundles fit; once
+    they do, every worker stops at one step with a checkpoint and the job restarts on 4 from it: 0 steps lost,
+    not charged to max_restarts (1, used by the loss)."""
+    storage = Storage(str(tmp_path / "ckpt"))
+    job = make_job(tmp_path, train={"global_batch_size": 24},
+                   cluster={"workers": 4, "cpus_per_worker": 0.5, "reserve_timeout_s": 30},
+                   checkpoint={"dir": str(tmp_path / "ckpt"), "every_steps": 50},
+                   failure={"max_restarts": 1, "elastic": {"min_workers": 2, "grow_check_s": 5}})
+
+    def script(attempt, task):
+        return Script(fail_after=2.0, error=actor_died()) if attempt == 1 and task.rank == 3 else Script(finish_after=40.0)
+
+    capacity = lambda reservation: 2 if reservation in (2, 3, 4) else 4  # noqa: E731  (4, then 3 and 2, then 4)
+    c, world, clock = make(tmp_path, script, job, capacity=capacity, nodes=3)
+    world.pg_alive = False
+    world.room_from = clock.now() + 20.0
+    world.on_checkpoint = lambda step: _checkpoints(tmp_path, [step]) and None
+    result = run_fast(c)
+    assert result.status == "succeeded" and world.reservations == [4, 4, 3, 2, 4]
+    assert world.probes and set(world.probes) == {2}  # the 2 missing workers' bundles, every interval until they fit
+    lost, grown = result.restarts
+    assert (lost["kind"], lost["workers"]) == ("actor_died", 2)
+    (ranks, step), = world.stop_requests
+    assert ranks == [0, 1]  # the attempt on 2 workers stopped at one step
+    assert grown["kind"] == "resized" and grown["workers"] == 4 and grown["from_workers"] == 2
+    assert grown["step_saved"] == step == grown["resumed_from_step"] and grown["steps_lost"] == 0
+    assert grown["batch"]["global_batch_size"] == 24 and grown["batch"]["accumulation_steps"] == 1
+    assert lost["batch"]["accumulation_steps"] == 2  # the effective batch 24 throughout
+    assert result.workers == 4 and len(result.tasks) == 4 and storage.latest().step == step
+    assert "growing back from 2 to 4 workers" in grown["reason"] and "pg-4" in world.released
+
+
 def test_without_elastic_a_cluster_too_small_is_exit_3(tmp_path):
     c, world, _ = make(tmp_path, lambda a, t: Script(), make_job(tmp_path), capacity=1)
     with pytest.raises(PlacementTimeout):

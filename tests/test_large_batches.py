@@ -1,11 +1,13 @@
 """Large global batches: learning-rate schedules with warmup (checked against Keras's own classes, and
 across a resume), the scaling rule, gradient accumulation that equals one large batch, elastic restarts
 that keep the effective batch, and the collective options."""
+import concurrent.futures
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import keras
@@ -22,7 +24,7 @@ from raytf.driver.controller import run
 from raytf.errors import SpecError, TrainingFailed
 from raytf.job import load, parse
 from tests.conftest import assert_nothing_left, base_spec, write_job
-from tests.faults import Killer, an_extra_node, rank_one_data
+from tests.faults import AtSteps, Killer, an_extra_node, rank_one_data
 
 TRAIN_ROWS = 1437
 
@@ -293,28 +295,44 @@ STATEFUL_MODEL = textwrap.dedent('''
 
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
-def test_an_elastic_restart_keeps_the_effective_batch_by_raising_accumulation(cluster, job_dir):
+def test_an_elastic_job_shrinks_keeping_the_effective_batch_and_grows_back_when_a_node_returns(cluster, job_dir):
     """4 workers x 8 rows, global batch 32; a node is lost. 3 workers would need 4/3 accumulation steps or
     32/3 rows, so raytf goes on with 2 workers x 8 rows x 2 accumulation steps: same effective batch,
-    same steps per epoch, same per-replica memory."""
+    same steps per epoch, same per-replica memory. A node then joins: within one grow_check_s every worker
+    stops at one step with a checkpoint, and the job ends on 4 workers again, 0 steps lost to growing."""
     (job_dir / "stateful.py").write_text(STATEFUL_MODEL)
     spec = base_spec(model="stateful:build_model", train={"epochs": 2, "global_batch_size": 32, "seed": 7},
                      cluster={"workers": 4, "cpus_per_worker": 1, "reserve_timeout_s": 5},
                      checkpoint={"dir": str(job_dir / "ckpt"), "every_steps": 20},
-                     failure={"max_restarts": 1, "hang_timeout_s": 60, "elastic": {"min_workers": 2}},
+                     failure={"max_restarts": 1, "hang_timeout_s": 60,
+                              "elastic": {"min_workers": 2, "grow_check_s": 1}},
                      output={"tensorboard": False})
+    c, _ = cluster
+    shrunk, returned = threading.Event(), []
     with an_extra_node(cluster) as (extra, remove_it):  # 4 CPUs in all: one worker per CPU
         killer = Killer(rank=0, at_step=25, attempts={1}, kill=remove_it)
-        result = run(load(write_job(job_dir, spec)), group_cls=killer.group_cls)
-    assert killer.killed_at, "the node was never removed"
-    restart = result.restarts[0]
-    assert result.workers == 2 and restart["workers"] == 2
+        grower = AtSteps([(26, lambda group: shrunk.set())], attempts={2})  # on 2 workers, resumed from step 20
+        both = type("KillThenGrow", (killer.group_cls, grower.group_cls), {})
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            job = pool.submit(run, load(write_job(job_dir, spec)), group_cls=both)
+            try:
+                if shrunk.wait(timeout=200):  # Ray adds nodes from the main thread only (signals)
+                    returned.append(c.add_node(num_cpus=1))
+                    c.wait_for_nodes()
+                result = job.result(timeout=250)
+            finally:
+                for node in returned:
+                    c.remove_node(node, allow_graceful=False)
+    assert killer.killed_at and returned, "the node was never removed, or never returned"
+    lost, grown = result.restarts
     kept = {"global_batch_size": 16, "accumulation_steps": 2, "per_replica_batch_size": 8, "kept": "per_replica_batch"}
-    assert restart["batch"] == kept and result.batch == kept
-    saved = json.loads((job_dir / "runs" / "t" / "result.json").read_text())
-    assert saved["batch"] == kept
+    assert lost["workers"] == 2 and lost["batch"] == kept
+    assert grown["kind"] == "resized" and (grown["from_workers"], grown["workers"]) == (2, 4)
+    assert grown["steps_lost"] == 0 and grown["resumed_from_step"] == grown["step_saved"] == grown["stop_step"]
+    assert grown["batch"]["global_batch_size"] == 32 and grown["batch"]["accumulation_steps"] == 1
+    assert result.workers == 4 and json.loads((job_dir / "runs" / "t" / "result.json").read_text())["workers"] == 4
     steps = TRAIN_ROWS // 32
-    assert [t["optimizer_steps"] for t in result.tasks] == [2 * steps] * 2  # the schedule's steps, unchanged
+    assert [t["optimizer_steps"] for t in result.tasks] == [2 * steps] * 4  # the schedule's steps, unchanged
     assert [h["examples"] for h in result.history] == [steps * 32] * 2
     assert len({t["weights_digest"] for t in result.tasks}) == 1
     assert_nothing_left()

@@ -118,8 +118,8 @@ class Controller:
         self._phase_started = self.clock.now()
         workers = spec.cluster.workers
         if self.given_pg is None:
-            if self.pg is not None and self.decisions and self.decisions[-1]["kind"] == "preempted":
-                # a bundle of it is on the draining node, which Ray will not schedule on again
+            if self.pg is not None and self.decisions and self.decisions[-1]["kind"] in ("preempted", "resized"):
+                # a bundle of it is on the draining node, which Ray will not schedule on again; or it is too small
                 self.resources.release(self.pg)
                 self.pg = None
             waited = False
@@ -142,7 +142,7 @@ class Controller:
                                 replacements=ReplacementPolicy(attempt_spec.cluster.workers, self.limits),
                                 drains=DrainWatch(spec, backend, self.resources, self.limits, self.display,
                                                   can_save=self.storage is not None,
-                                                  last_checkpoint_s=self._checkpoint_s))
+                                                  last_checkpoint_s=self._checkpoint_s, workers=workers))
         self.result.workers = attempt_spec.cluster.workers
         self.result.batch = elastic_batch(spec, workers).to_dict()
         if self.decisions:

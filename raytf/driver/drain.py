@@ -1,7 +1,12 @@
-"""Node drains (preemption), for one attempt: raytf asks Ray's GCS which nodes are draining (`ray drain-node`,
-the autoscaler, a cloud's preemption notice); on the first notice for a node whose loss ends the attempt,
-every loop-running rank is asked to stop at one common step and checkpoint there, and the attempt ends once
-the chief has (or falls back to the last checkpoint when that cannot be had in time).
+"""Node drains (preemption) and growing back, for one attempt: both end it with every loop-running rank stopped
+at one common step and checkpointed there, and the attempt ends once the chief has (or falls back to the last
+checkpoint when that cannot be had in time).
+
+A drain: raytf asks Ray's GCS which nodes are draining (`ray drain-node`, the autoscaler, a cloud's preemption
+notice); the first notice for a node whose loss ends the attempt stops it. Growing back (failure.elastic): while
+the attempt runs below cluster.workers, every elastic.grow_check_s raytf asks Ray whether the missing workers'
+bundles can be placed (a probe placement group, removed at once); once they can, the attempt stops and the job
+restarts at the full size ("resized").
 
 The controller calls `poll` once per supervision round, `stopped` when the chief returns stopped for the
 notice, and `during_notice` for any other failure of the attempt. What the numbers decide (the stop step,
@@ -14,7 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 from raytf.driver import failure as failure_lib
 from raytf.driver.failure import Failure
-from raytf.driver.policy import Limits, checkpoint_fits, stop_step
+from raytf.driver.policy import Limits, checkpoint_fits, spec_for_workers, stop_step
+
+GROW_PROBE_S = 1.0  # how long a probe for the missing workers' bundles may wait (the supervision loop waits with it)
 
 if TYPE_CHECKING:
     from raytf.backends.base import Backend
@@ -37,6 +44,7 @@ class DrainNotice:
     deadline: float | None  # epoch seconds; None: no deadline given
     step_at_notice: int = 0  # the furthest rank's step when raytf saw the notice
     stop_step: int | None = None
+    grow_to: int | None = None  # not a drain: room for this many workers again (failure.elastic)
 
     def details(self, now: float, saved_step: int | None) -> dict[str, Any]:
         """result.json's restart entry for it (kept as it was: users read these keys)."""
@@ -52,11 +60,15 @@ class DrainWatch:
     `last_checkpoint_s`: how long the last checkpoint-now took (an earlier attempt's), if any."""
 
     def __init__(self, spec: "JobSpec", backend: "Backend", resources: "Resources", limits: Limits,
-                 display: "ProgressDisplay", can_save: bool, last_checkpoint_s: float | None = None):
+                 display: "ProgressDisplay", can_save: bool, last_checkpoint_s: float | None = None,
+                 workers: int | None = None):
+        """workers: the attempt's (below cluster.workers under failure.elastic: it may grow back)."""
         self.spec, self.backend, self.resources, self.limits, self.display = spec, backend, resources, limits, display
         self.can_save, self.last_checkpoint_s = can_save, last_checkpoint_s
+        self.workers = spec.cluster.workers if workers is None else workers
         self.notice: DrainNotice | None = None
         self._checked_at = 0.0
+        self._grow_checked_at: float | None = None
         self._let_go: set[str] = set()  # draining nodes whose loss the job survives
 
     def poll(self, group: "WorkerGroup", tasks: "list[Task]", loop_ranks: list[int],
@@ -65,8 +77,6 @@ class DrainWatch:
         such notice, have every loop-running rank stop at one common step and checkpoint there. While that
         goes on, give up on it once the deadline (or Limits.preempt_wait_s) has passed. A Failure: end the
         attempt with it (on the notice's node)."""
-        if not self.spec.failure.preemption:
-            return None
         notice = self.notice
         if notice is not None:
             limit = notice.deadline if notice.deadline is not None else notice.seen_at + self.limits.preempt_wait_s
@@ -75,8 +85,8 @@ class DrainWatch:
                                        + ("the node's deadline" if notice.deadline is not None else
                                           f"{self.limits.preempt_wait_s:g}s (Limits.preempt_wait_s)"), now)
             return None
-        if now - self._checked_at < self.limits.drain_check_s:
-            return None
+        if not self.spec.failure.preemption or now - self._checked_at < self.limits.drain_check_s:
+            return self._grow(group, loop_ranks, progress, last_step, now)
         self._checked_at = now
         draining = self.resources.draining()
         on_drained = [t for t in tasks if t.node_id in draining and t.node_id not in self._let_go]
@@ -89,7 +99,7 @@ class DrainWatch:
             self.display.message(f"raytf: node {let_go[0].node_ip} ({self.backend.who([t.rank for t in let_go])}) "
                                  f"is draining; training goes on without it")
         if not fatal:
-            return None
+            return self._grow(group, loop_ranks, progress, last_step, now)
         node = fatal[0].node_id
         self.notice = notice = DrainNotice(node, on_drained[0].node_ip, [t.rank for t in tasks if t.node_id == node],
                                            now, draining[node], last_step)
@@ -99,6 +109,28 @@ class DrainWatch:
             self.display.message(f"{said}; there is no checkpoint.dir to save to, so training goes on until the "
                                  f"node goes")
             return None
+        return self._stop_everyone(group, loop_ranks, progress, now, said)
+
+    def _grow(self, group: "WorkerGroup", loop_ranks: list[int], progress: "list[Progress | None]", last_step: int,
+              now: float) -> Failure | None:
+        """Below cluster.workers under failure.elastic: every grow_check_s, whether the missing workers fit
+        again; when they do, stop everyone at one step to restart at the full size from there."""
+        spec, full = self.spec, self.spec.cluster.workers
+        elastic = spec.failure.elastic
+        if (elastic is None or not elastic.grow_check_s or self.workers >= full or not self.can_save
+                or not self.backend.supports_elastic):
+            return None
+        if self._grow_checked_at is None:  # the attempt's first poll: its first check one interval on
+            self._grow_checked_at = now
+        if now - self._grow_checked_at < elastic.grow_check_s:
+            return None
+        self._grow_checked_at = now
+        held = len(self.backend.bundles(spec_for_workers(spec, self.workers)))
+        missing = self.backend.bundles(spec)[held:]
+        if not self.resources.can_place(missing, spec.cluster.effective_placement, GROW_PROBE_S):
+            return None
+        self.notice = DrainNotice("", "", [], now, None, last_step, grow_to=full)
+        said = f"raytf: {full - self.workers} more worker(s) fit again (failure.elastic)"
         return self._stop_everyone(group, loop_ranks, progress, now, said)
 
     def _stop_everyone(self, group: "WorkerGroup", loop_ranks: list[int], progress: "list[Progress | None]",
@@ -129,6 +161,12 @@ class DrainWatch:
         """The chief stopped for the notice (its checkpoint written, if it could be): how the attempt ends."""
         notice, saved = self.notice, stop.saved
         step = saved.step if saved else None
+        if notice.grow_to is not None:
+            message = (f"growing back from {self.workers} to {notice.grow_to} workers: " + (
+                f"checkpoint at step {step}" if saved else "no checkpoint could be written (the train_fn made none)"))
+            return Failure("resized", message, (), {message: []},
+                           {**self._grow_details(now, step), "last_step": stop.step,
+                            "checkpoint_s": saved.seconds if saved else None})
         message = (f"node {notice.node_ip} is draining: " + (f"checkpoint at step {step}" if saved else
                                                              "no checkpoint could be written (the train_fn made none)"))
         details = {**notice.details(now, step), "last_step": stop.step,
@@ -141,7 +179,7 @@ class DrainWatch:
         before its checkpoint: a preemption. An error in the user's code is not, and ends the job as it would
         without the notice."""
         notice = self.notice
-        if notice is None or failure.kind not in failure_lib.RESTARTABLE:
+        if notice is None or notice.grow_to is not None or failure.kind not in failure_lib.RESTARTABLE:
             return failure
         message = (f"node {notice.node_ip} was draining and {failure.message}; the checkpoint-now did not "
                    f"finish, so the job goes back to its last checkpoint")
@@ -150,13 +188,23 @@ class DrainWatch:
 
     @property
     def node_ips(self) -> list[str]:
-        """The node a drain failure is charged to."""
-        return [self.notice.node_ip] if self.notice is not None else []
+        """The node a drain failure is charged to (none for growing back)."""
+        return [self.notice.node_ip] if self.notice is not None and self.notice.grow_to is None else []
 
     def _fall_back(self, why: str, now: float, said: str | None = None) -> Failure:
         """A notice whose checkpoint-now cannot be had: end the attempt now, back to the last checkpoint."""
         notice = self.notice
         if said:
             self.display.message(f"{said}: {why}; going back to the last checkpoint")
+        if notice.grow_to is not None:
+            message = f"growing back from {self.workers} to {notice.grow_to} workers: {why}"
+            return Failure("resized", message, (), {message: []}, self._grow_details(now, None))
         message = f"node {notice.node_ip} is draining: {why}"
         return Failure("preempted", message, tuple(notice.ranks), {message: notice.ranks}, notice.details(now, None))
+
+    def _grow_details(self, now: float, saved_step: int | None) -> dict[str, Any]:
+        """result.json's restart entry for growing back."""
+        notice = self.notice
+        return {"from_workers": self.workers, "to_workers": notice.grow_to, "step_at_notice": notice.step_at_notice,
+                "stop_step": notice.stop_step, "step_saved": saved_step,
+                "notice_to_checkpoint_s": round(now - notice.seen_at, 3) if saved_step is not None else None}

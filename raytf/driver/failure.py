@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-Kind = Literal["actor_died", "hang", "collective", "io", "startup", "checkpoint", "preempted", "error"]
+Kind = Literal["actor_died", "hang", "collective", "io", "startup", "checkpoint", "preempted", "resized", "error"]
 
 # Infrastructure trouble is worth a restart; an error in the user's code would only repeat.
 RESTARTABLE: frozenset[str] = frozenset({"actor_died", "hang", "collective", "io", "startup", "checkpoint"})
@@ -52,7 +52,7 @@ def classify(type_name: str, message: str, actor_died: bool = False) -> Kind:
 
 
 _ROOT_ORDER = {"actor_died": 0, "hang": 1, "startup": 2, "checkpoint": 3, "error": 4, "io": 5, "collective": 6,
-               "preempted": 7}
+               "preempted": 7, "resized": 8}
 
 
 def aggregate(errors: list[RankError]) -> Failure:

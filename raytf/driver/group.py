@@ -71,5 +71,6 @@ class Resources(Protocol):
     def keep(self, group: WorkerGroup, tasks: "list[Task]", key: str | None) -> bool: ...
     def take_kept(self, pg: Any, key: str | None, env: dict[str, Any], count: int) -> "tuple[WorkerGroup, list[Task]] | None": ...
     def draining(self) -> dict[str, float | None]: ...  # node id -> its deadline (epoch s; None: none given)
+    def can_place(self, bundles: list[dict[str, float]], strategy: str, timeout_s: float) -> bool: ...  # room now?
 
 

@@ -63,6 +63,8 @@ class RestartPolicy:
             return Decision("restart", "falling back to the previous checkpoint", charged=False)
         if failure.kind == "preempted":  # nor is a node taken away
             return Decision("restart", "a preemption is not counted against failure.max_restarts", charged=False)
+        if failure.kind == "resized":  # nor is growing back
+            return Decision("restart", "growing back is not counted against failure.max_restarts", charged=False)
         if failure.kind not in failure_lib.RESTARTABLE:
             return Decision("raise", f"{failure.kind} in the job's own code: a restart would repeat it")
         if charged_so_far >= self.max_restarts:

@@ -298,6 +298,14 @@ class RayResources:
     def reserve(self, bundles, strategy: str, timeout_s: float, name: str):
         return placement.reserve(bundles, strategy, timeout_s, name=name)
 
+    def can_place(self, bundles, strategy: str, timeout_s: float) -> bool:
+        """Whether these bundles can be placed now: a probe placement group, removed at once."""
+        pg = ray.util.placement_group(bundles, strategy=strategy.upper())
+        try:
+            return bool(ray.wait([pg.ready()], timeout=timeout_s)[0])
+        finally:
+            ray.util.remove_placement_group(pg)
+
     def ready_again(self, pg, timeout_s: float) -> bool:
         """Ready, with every bundle on a node that answers. A node that died or dropped off the network is
         still "alive" to Ray until its health checks run out (~30 s), and the group's bundle stays on it:
