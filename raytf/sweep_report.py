@@ -99,16 +99,18 @@ def _fmt(value: Any) -> str:
 
 
 def table(rows: list[dict[str, Any]], metric: str, space_keys: list[str], best: dict[str, Any] | None) -> str:
-    """One line per trial: point, status, its values, the learning rate it ran with, final and best metric,
-    epochs, seconds. The best trial is marked with *."""
+    """One line per trial: point, status, its values, the learning rate raytf's loop ran with (none for a
+    train_fn: its optimizer is its own), final and best metric, epochs, seconds. The best trial is marked with *."""
     short = [k.rsplit(".", 1)[-1] for k in space_keys]
-    columns = ["", "point", "status", *short, "lr", f"final {metric}", f"best {metric}", "epochs", "time (s)"]
+    rates = any(r["learning_rate"] is not None for r in rows)
+    columns = ["", "point", "status", *short, *(["lr"] if rates else []), f"final {metric}", f"best {metric}",
+               "epochs", "time (s)"]
     lines = []
     for r in rows:
         mark = "*" if best is not None and r["point"] == best["point"] else ""
         lines.append([mark, r["point"], r["status"], *(_fmt(r["config"].get(k)) for k in space_keys),
-                      _fmt(r["learning_rate"]), _fmt(r["final"]), _fmt(r["best"]), str(r["epochs"]),
-                      _fmt(None if r["time_s"] is None else round(r["time_s"], 1))])
+                      *([_fmt(r["learning_rate"])] if rates else []), _fmt(r["final"]), _fmt(r["best"]),
+                      str(r["epochs"]), _fmt(None if r["time_s"] is None else round(r["time_s"], 1))])
     widths = [max(len(c), *(len(line[i]) for line in lines)) if lines else len(c) for i, c in enumerate(columns)]
     fmt = lambda cells: "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()  # noqa: E731
     errors = [f"{r['point']} error: {r['error']}" for r in rows if r.get("error")]
@@ -182,7 +184,9 @@ def plot(rows: list[dict[str, Any]], metric: str, mode: str, path: Path, title: 
         ax.minorticks_off()
         ax.margins(0.25)
     else:
-        ax.text(0.5, 0.5, "no trial reported the metric", ha="center", va="center", transform=ax.transAxes)
+        said = ("no trial reported the metric" if all(r["learning_rate"] for r in rows) else
+                "a train_fn's learning rate is its own: see the table")
+        ax.text(0.5, 0.5, said, ha="center", va="center", transform=ax.transAxes)
     ax.set_xlabel("global batch size")
     ax.set_ylabel("learning rate (as trained)")
     fig.suptitle(title, fontsize=10)

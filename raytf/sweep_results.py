@@ -72,7 +72,8 @@ def collect(prepared: PreparedSweep, experiment: str, limit: int, started: float
             "global_batch_size": point.values.get("train.global_batch_size",
                                                   prepared.base.spec.train.global_batch_size) if spec is None
             else spec.train.global_batch_size,
-            "learning_rate": learning_rate.peak(spec) if spec is not None else None,
+            # the rate raytf's loop trained with; a train_fn's optimizer is its own (the spec's would mislead)
+            "learning_rate": learning_rate.peak(spec) if spec is not None and spec.train_fn is None else None,
             "workers": (spec or prepared.base.spec).cluster.workers,
             "final": history[-1] if history else None,
             "best": sweep_report.best_of(history, section.mode),

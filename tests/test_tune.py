@@ -194,6 +194,18 @@ def test_status_and_best_row():
     assert sweep_report.best_of([0.3, math.nan, 0.1, 0.2], "min") == 0.1
 
 
+@pytest.mark.timeout(10)
+def test_the_table_shows_the_rate_raytfs_loop_ran_with_and_no_rate_column_for_a_train_fns_own():
+    row = {"point": "p00", "status": "completed", "config": {"config.lr": 0.003}, "learning_rate": 0.01,
+           "final": 0.25, "best": 0.2, "epochs": 3, "time_s": 12.0}
+    header = sweep_report.table([row], "val_loss", ["config.lr"], row).splitlines()[0].split()
+    assert header == ["point", "status", "lr", "lr", "final", "val_loss", "best", "val_loss", "epochs", "time", "(s)"]
+    fn_row = {**row, "learning_rate": None}  # a train_fn's: the spec's optimizer rate is not what it ran with
+    lines = sweep_report.table([fn_row], "val_loss", ["config.lr"], fn_row).splitlines()
+    assert lines[0].split()[:3] == ["point", "status", "lr"] and lines[0].split()[3] == "final"
+    assert lines[2].split()[3] == "0.003"  # the swept value, and no other rate beside it
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("algorithm", ["optuna", "hyperopt", "bohb"])
 def test_a_searcher_tries_the_given_points_first_then_draws_inside_the_space(algorithm):
@@ -755,3 +767,4 @@ def test_a_sweep_of_a_tf_keras_train_fn_saves_every_trial_hears_its_epochs_in_or
         assert list((trial / "tensorboard").glob("events.out*"))
     rows = {r["point"]: r for r in json.loads((job_dir / "runs" / "t" / "sweep.json").read_text())["rows"]}
     assert [rows[p]["status"] for p in ("p00", "p01")] == ["completed", "error"] and rows["p00"]["epochs"] == 3
+    assert rows["p00"]["learning_rate"] is None  # the train_fn's own optimizer: the spec's rate is not shown
