@@ -245,7 +245,8 @@ class ElasticSpec(StrictModel):
     grow_check_s: float = Field(default=60.0, ge=0, description=(
         "While the job runs below cluster.workers, how often to ask whether the missing workers fit again (a node "
         "came back, the autoscaler added one). When they do, every worker stops at one step and checkpoints "
-        "there, and the job restarts at the full size from it (not counted against max_restarts). 0: never."))
+        "there, and the job restarts at the full size from it (not counted against max_restarts). Needs checkpoint.dir. "
+        "0: never."))
 
 
 class FailureSpec(StrictModel):
