@@ -143,10 +143,15 @@ class Storage:
         usable = [c for c in self.list() if c.path not in exclude]
         return usable[-1] if usable else None
 
-    def upload(self, local_dir: str, meta: dict[str, Any]) -> str:
+    def upload(self, local_dir: str, meta: dict[str, Any], files: list[str] | None = None) -> str:
         """Copy local_dir's files to ckpt-<step>/, then write raytf.json: the marker of a complete checkpoint.
         A complete checkpoint already at that step is never written into (it is returned as it is); an
-        incomplete one (an upload cut short, before or while it wrote raytf.json) is replaced."""
+        incomplete one (an upload cut short, before or while it wrote raytf.json) is replaced. `files`: the names
+        the checkpoint must hold (default: what local_dir holds now); one missing, or none, fails the upload
+        before raytf.json is written (a folder removed under a background upload)."""
+        files = sorted(os.listdir(local_dir)) if files is None else files
+        if not files:
+            raise FileNotFoundError(f"{local_dir} holds no checkpoint files to upload")
         name = f"{PREFIX}{meta['step']:012d}"
         target = self._full(name)
         found = self.fs.get_file_info([target, posixpath.join(target, META)])
@@ -155,7 +160,7 @@ class Storage:
         if found[0].type == pafs.FileType.Directory:
             self.fs.delete_dir(target)
         self.fs.create_dir(target, recursive=True)
-        for file in sorted(os.listdir(local_dir)):
+        for file in files:
             with open(os.path.join(local_dir, file), "rb") as src, \
                     self.fs.open_output_stream(posixpath.join(target, file)) as dst:
                 while chunk := src.read(8 << 20):

@@ -184,9 +184,8 @@ def plot(rows: list[dict[str, Any]], metric: str, mode: str, path: Path, title: 
         ax.minorticks_off()
         ax.margins(0.25)
     else:
-        said = ("no trial reported the metric" if all(r["learning_rate"] for r in rows) else
-                "a train_fn's learning rate is its own: see the table")
-        ax.text(0.5, 0.5, said, ha="center", va="center", transform=ax.transAxes)
+        ax.text(0.5, 0.5, "no trial reported the metric with a rate raytf knows\n(a train_fn's is its own: see the "
+                "table)", ha="center", va="center", transform=ax.transAxes)
     ax.set_xlabel("global batch size")
     ax.set_ylabel("learning rate (as trained)")
     fig.suptitle(title, fontsize=10)

@@ -46,6 +46,20 @@ def test_a_complete_checkpoint_is_never_written_into_and_an_incomplete_one_is_re
             os.remove(half / name)
 
 
+def test_an_upload_whose_files_went_missing_fails_before_raytf_json_and_is_never_listed(tmp_path):
+    """A background upload names the files written at the step boundary: a folder emptied under it (the task
+    stopped meanwhile) fails the upload instead of leaving a 'complete' checkpoint with no state."""
+    storage = Storage(str(tmp_path / "ckpts"))
+    local = tmp_path / "local"
+    local.mkdir()
+    (local / "state.index").write_bytes(b"i")
+    with pytest.raises(FileNotFoundError):
+        storage.upload(str(local), meta(8), ["state.index", "state.data-00000-of-00001"])
+    with pytest.raises(FileNotFoundError, match="holds no checkpoint files"):
+        storage.upload(str(tmp_path / "local"), meta(16), [])
+    assert storage.list() == [] and not (tmp_path / "ckpts" / "ckpt-000000000008" / META).exists()
+
+
 class _Ctx:
     channel = TaskChannel(0)  # read_state says "restoring" into it
 

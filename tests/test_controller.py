@@ -328,7 +328,10 @@ def test_an_elastic_job_grows_back_to_full_size_once_the_missing_workers_fit_aga
                    failure={"max_restarts": 1, "elastic": {"min_workers": 2, "grow_check_s": 5}})
 
     def script(attempt, task):
-        return Script(fail_after=2.0, error=actor_died()) if attempt == 1 and task.rank == 3 else Script(finish_after=40.0)
+        if attempt == 1 and task.rank == 3:
+            return Script(fail_after=2.0, error=actor_died())
+        # the 2-worker attempt has saved a checkpoint (a train_fn that never does is never stopped to grow)
+        return Script(finish_after=40.0, checkpoint_s=0.1 if attempt == 2 else None)
 
     capacity = lambda reservation: 2 if reservation in (2, 3, 4) else 4  # noqa: E731  (4, then 3 and 2, then 4)
     c, world, clock = make(tmp_path, script, job, capacity=capacity, nodes=3)
@@ -348,6 +351,27 @@ def test_an_elastic_job_grows_back_to_full_size_once_the_missing_workers_fit_aga
     assert lost["batch"]["accumulation_steps"] == 2  # the effective batch 24 throughout
     assert result.workers == 4 and len(result.tasks) == 4 and storage.latest().step == step
     assert "growing back from 2 to 4 workers" in grown["reason"] and "pg-4" in world.released
+
+
+@pytest.mark.parametrize("placement, saved", [("strict_spread", 0.1), ("pack", None)])
+def test_no_probe_to_grow_under_a_strict_placement_or_before_the_attempt_saved_a_checkpoint(tmp_path, placement, saved):
+    """A strict placement's full group is not the missing bundles placed apart; and an attempt that has saved
+    nothing (a train_fn that never checkpoints) would lose all it trained to grow: it stays small."""
+    job = make_job(tmp_path, train={"global_batch_size": 24},
+                   cluster={"workers": 4, "cpus_per_worker": 0.5, "reserve_timeout_s": 30, "placement": placement},
+                   checkpoint={"dir": str(tmp_path / "ckpt")},
+                   failure={"max_restarts": 1, "elastic": {"min_workers": 2, "grow_check_s": 5}})
+
+    def script(attempt, task):
+        if attempt == 1 and task.rank == 3:
+            return Script(fail_after=2.0, error=actor_died())
+        return Script(finish_after=40.0, checkpoint_s=saved if attempt == 2 else None)
+
+    c, world, clock = make(tmp_path, script, job, capacity=lambda r: 2 if r in (2, 3, 4) else 4, nodes=3)
+    world.pg_alive = False
+    world.room_from = clock.now()
+    result = run_fast(c)
+    assert world.probes == [] and result.workers == 2 and [r["kind"] for r in result.restarts] == ["actor_died"]
 
 
 def test_without_elastic_a_cluster_too_small_is_exit_3(tmp_path):

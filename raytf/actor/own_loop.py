@@ -166,6 +166,7 @@ class OwnLoop:
             started = time.time()
             if ckpt.saved_step != step:  # the train_fn may have saved this very step itself
                 ckpt.save(step)
+            self.ctx.checkpoint_uploads.complete()  # the restart resumes from it: in checkpoint.dir first
             saved = CheckpointSaved(step, round(time.time() - started, 3))
         raise StopTraining(DrainStop(step, saved))
 

@@ -24,6 +24,11 @@ from raytf.actor.context import TaskContext
 from raytf.protocol import OUTPUTS, Outcome, Progress, StopAnswer, WorkerPayload
 from raytf.rendezvous import ActorLocation, Task
 
+# How long a failed task gives its checkpoint upload in flight to finish before it reports the failure, and a
+# task being stopped before its folder goes (the driver kills it CLEANUP_TIMEOUT_S = 2 s after asking).
+UPLOAD_SETTLE_S = 10.0
+UPLOAD_SETTLE_AT_STOP_S = 1.5
+
 
 class TaskActor:
     """Created with max_concurrency=2, so `progress` is answered while `train` runs."""
@@ -146,6 +151,7 @@ class TaskActor:
                 outcome = self._backend.train(self._started, self._task, payload, self._ctx)
                 self._ctx.checkpoint_uploads.complete()  # the last checkpoint is in checkpoint.dir before "done"
             except Exception as exc:
+                self._ctx.checkpoint_uploads.settle(UPLOAD_SETTLE_S)  # before cleanup removes its files
                 raise raised.capture(exc, [self._job_root, payload.job_dir]) from None
             # artifacts: the chief's model and events, and what the script wrote into its working folder
             # (outputs/); any rank's profile
@@ -163,6 +169,8 @@ class TaskActor:
     def cleanup(self) -> None:
         """Remove this task's folder. The driver asks it of every task it stops (a parameter-server task
         never returns from train), before killing them."""
+        if self._ctx is not None:  # a checkpoint still uploading from the folder about to be removed
+            self._ctx.checkpoint_uploads.settle(UPLOAD_SETTLE_AT_STOP_S)
         if self._channel is not None:
             self._channel.end_series()  # its gauges stop being set: they end (raytf.metrics)
         if self._scratch is not None:

@@ -8,6 +8,7 @@ checkpoint or at the task's end, as an upload on the step path would have been a
 """
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 import time
@@ -27,10 +28,11 @@ class Uploads:
         """Upload `local_dir` (removed afterwards) with raytf.json `meta`, then prune to `keep`; `started`: when
         the state's write began. Waits for the upload before, first."""
         self._wait()
+        files = sorted(os.listdir(local_dir))  # as written now: the upload fails if any goes missing meanwhile
 
         def upload() -> None:
             try:
-                storage.upload(local_dir, meta)
+                storage.upload(local_dir, meta, files)
                 storage.prune(keep)
                 if self.channel is not None:
                     self.channel.checkpointed(time.time() - started)
@@ -51,6 +53,14 @@ class Uploads:
         self._wait()
         if waiting and self.channel is not None:
             self.channel.phase("train")
+
+    def settle(self, timeout_s: float) -> None:
+        """The task failed or is being stopped: give the upload in flight up to `timeout_s` to finish (a
+        complete checkpoint is one less interval to train again), and say nothing of its error."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+        self._error = None
 
     @property
     def in_flight(self) -> bool:

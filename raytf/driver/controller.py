@@ -118,11 +118,11 @@ class Controller:
         self._phase_started = self.clock.now()
         workers = spec.cluster.workers
         if self.given_pg is None:
+            waited = False
             if self.pg is not None and self.decisions and self.decisions[-1]["kind"] in ("preempted", "resized"):
                 # a bundle of it is on the draining node, which Ray will not schedule on again; or it is too small
                 self.resources.release(self.pg)
-                self.pg = None
-            waited = False
+                self.pg, waited = None, self.decisions[-1]["kind"] == "resized"  # room just seen: a short wait
             if self.pg is not None and not self.resources.ready_again(self.pg, spec.cluster.reserve_timeout_s):
                 self.display.message("raytf: the placement group did not come back in time; reserving anew")
                 self.resources.release(self.pg)
@@ -142,7 +142,8 @@ class Controller:
                                 replacements=ReplacementPolicy(attempt_spec.cluster.workers, self.limits),
                                 drains=DrainWatch(spec, backend, self.resources, self.limits, self.display,
                                                   can_save=self.storage is not None,
-                                                  last_checkpoint_s=self._checkpoint_s, workers=workers))
+                                                  last_checkpoint_s=self._checkpoint_s, workers=workers,
+                                                  decisions=self.decisions))
         self.result.workers = attempt_spec.cluster.workers
         self.result.batch = elastic_batch(spec, workers).to_dict()
         if self.decisions:

@@ -61,11 +61,13 @@ class DrainWatch:
 
     def __init__(self, spec: "JobSpec", backend: "Backend", resources: "Resources", limits: Limits,
                  display: "ProgressDisplay", can_save: bool, last_checkpoint_s: float | None = None,
-                 workers: int | None = None):
-        """workers: the attempt's (below cluster.workers under failure.elastic: it may grow back)."""
+                 workers: int | None = None, decisions: list[dict[str, Any]] = ()):
+        """workers: the attempt's (below cluster.workers under failure.elastic: it may grow back); decisions: the
+        run's restart records so far."""
         self.spec, self.backend, self.resources, self.limits, self.display = spec, backend, resources, limits, display
         self.can_save, self.last_checkpoint_s = can_save, last_checkpoint_s
         self.workers = spec.cluster.workers if workers is None else workers
+        self.decisions = decisions
         self.notice: DrainNotice | None = None
         self._checked_at = 0.0
         self._grow_checked_at: float | None = None
@@ -118,11 +120,16 @@ class DrainWatch:
         spec, full = self.spec, self.spec.cluster.workers
         elastic = spec.failure.elastic
         if (elastic is None or not elastic.grow_check_s or self.workers >= full or not self.can_save
-                or not self.backend.supports_elastic):
+                or not self.backend.supports_elastic or spec.cluster.effective_placement.startswith("strict")):
+            return None  # (a strict placement's full group is not the missing bundles placed apart: no probe)
+        chief = progress[0] if progress else None
+        if chief is None or chief.checkpoint_s is None:  # nothing saved in this attempt yet: a train_fn may never
             return None
         if self._grow_checked_at is None:  # the attempt's first poll: its first check one interval on
             self._grow_checked_at = now
-        if now - self._grow_checked_at < elastic.grow_check_s:
+        # each grow that ended below the full size again (the room went meanwhile) doubles the interval
+        failed = sum(1 for d in self.decisions if d["kind"] == "resized" and d.get("workers", full) < full)
+        if now - self._grow_checked_at < elastic.grow_check_s * 2 ** failed:
             return None
         self._grow_checked_at = now
         held = len(self.backend.bundles(spec_for_workers(spec, self.workers)))
