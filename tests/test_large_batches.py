@@ -301,7 +301,9 @@ def test_an_elastic_job_shrinks_keeping_the_effective_batch_and_grows_back_when_
     same steps per epoch, same per-replica memory. A node then joins: within one grow_check_s every worker
     stops at one step with a checkpoint, and the job ends on 4 workers again, 0 steps lost to growing."""
     (job_dir / "stateful.py").write_text(STATEFUL_MODEL)
-    spec = base_spec(model="stateful:build_model", train={"epochs": 2, "global_batch_size": 32, "seed": 7},
+    # 5 epochs: the 2-worker attempt must still train while the node comes back (a Ray node takes seconds; with 2
+    # epochs a clean-clone CI run ended before it was back)
+    spec = base_spec(model="stateful:build_model", train={"epochs": 5, "global_batch_size": 32, "seed": 7},
                      cluster={"workers": 4, "cpus_per_worker": 1, "reserve_timeout_s": 5},
                      checkpoint={"dir": str(job_dir / "ckpt"), "every_steps": 20},
                      failure={"max_restarts": 1, "hang_timeout_s": 60,
@@ -311,7 +313,7 @@ def test_an_elastic_job_shrinks_keeping_the_effective_batch_and_grows_back_when_
     shrunk, returned = threading.Event(), []
     with an_extra_node(cluster) as (extra, remove_it):  # 4 CPUs in all: one worker per CPU
         killer = Killer(rank=0, at_step=25, attempts={1}, kill=remove_it)
-        grower = AtSteps([(26, lambda group: shrunk.set())], attempts={2})  # on 2 workers, resumed from step 20
+        grower = AtSteps([(20, lambda group: shrunk.set())], attempts={2})  # as soon as 2 workers train
         both = type("KillThenGrow", (killer.group_cls, grower.group_cls), {})
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             job = pool.submit(run, load(write_job(job_dir, spec)), group_cls=both)
@@ -324,7 +326,9 @@ def test_an_elastic_job_shrinks_keeping_the_effective_batch_and_grows_back_when_
                 for node in returned:
                     c.remove_node(node, allow_graceful=False)
     assert killer.killed_at and returned, "the node was never removed, or never returned"
+    assert len(result.restarts) == 2, result.restarts
     lost, grown = result.restarts
+    print(f"grew at step {grown['stop_step']} of {5 * TRAIN_ROWS // 32}")
     kept = {"global_batch_size": 16, "accumulation_steps": 2, "per_replica_batch_size": 8, "kept": "per_replica_batch"}
     assert lost["workers"] == 2 and lost["batch"] == kept
     assert grown["kind"] == "resized" and (grown["from_workers"], grown["workers"]) == (2, 4)
@@ -332,8 +336,8 @@ def test_an_elastic_job_shrinks_keeping_the_effective_batch_and_grows_back_when_
     assert grown["batch"]["global_batch_size"] == 32 and grown["batch"]["accumulation_steps"] == 1
     assert result.workers == 4 and json.loads((job_dir / "runs" / "t" / "result.json").read_text())["workers"] == 4
     steps = TRAIN_ROWS // 32
-    assert [t["optimizer_steps"] for t in result.tasks] == [2 * steps] * 4  # the schedule's steps, unchanged
-    assert [h["examples"] for h in result.history] == [steps * 32] * 2
+    assert [t["optimizer_steps"] for t in result.tasks] == [5 * steps] * 4  # the schedule's steps, unchanged
+    assert [h["examples"] for h in result.history] == [steps * 32] * 5
     assert len({t["weights_digest"] for t in result.tasks}) == 1
     assert_nothing_left()
 
