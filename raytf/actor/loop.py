@@ -147,7 +147,7 @@ def stopped(runner: Runner, checkpoints: "Checkpoints", ctx: TaskContext, global
         runner.sync_state()
         started = time.time()
         checkpoints.save(global_step, epoch, step, history, runner.epoch_totals())
-        checkpoints.complete()  # the restart resumes from it: uploaded before this task returns
+        ctx.checkpoint_uploads.complete()  # the restart resumes from it: uploaded before this task returns
         saved = CheckpointSaved(global_step, round(time.time() - started, 3))
     return Outcome(preempted=DrainStop(global_step, saved, round(reached - ctx.channel.stop_requested_at, 3)),
                    history=history, steps=global_step, steps_run=global_step - position.global_step)
@@ -245,10 +245,6 @@ class Checkpoints:
 
         write_state(self.runner.state, self.storage, self.ctx, self.payload.spec.checkpoint.keep, meta,
                     self.runner.checkpoint_options())
-
-    def complete(self) -> None:
-        """Until the checkpoint uploading in the background is in checkpoint.dir (raises if its upload failed)."""
-        self.ctx.checkpoint_uploads.complete()
 
 
 def read_state(state: tf.train.Checkpoint, resume: CheckpointInfo, location: str, ctx: TaskContext,

@@ -12,7 +12,7 @@ import os
 import shutil
 import threading
 import time
-from typing import Any, Callable
+from typing import Any
 
 
 class Uploads:
