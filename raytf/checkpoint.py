@@ -108,16 +108,19 @@ class Storage:
         would begin at step 0."""
         return self._within(self._list, "listing its checkpoints")
 
-    def _list(self) -> list[CheckpointInfo]:
+    def _folders(self) -> list[pafs.FileInfo]:
+        """Every ckpt-* folder, complete or not."""
         try:
             entries = self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True))
         except Exception as exc:
             raise self._unreadable("list its checkpoints", exc) from None
+        return [e for e in entries
+                if e.type == pafs.FileType.Directory and posixpath.basename(e.path.rstrip("/")).startswith(PREFIX)]
+
+    def _list(self) -> list[CheckpointInfo]:
         found = []
-        for entry in entries:
+        for entry in self._folders():
             name = posixpath.basename(entry.path.rstrip("/"))
-            if entry.type != pafs.FileType.Directory or not name.startswith(PREFIX):
-                continue
             try:
                 with self.fs.open_input_stream(posixpath.join(entry.path, META)) as f:
                     data = f.read()
@@ -176,10 +179,14 @@ class Storage:
 
     def folders(self) -> list[str]:
         """Every checkpoint folder's path, complete or not (to clear a folder: `list` shows only complete ones)."""
-        entries = self._within(lambda: self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True)),
-                               "listing its folders")
-        return [e.path for e in entries
-                if e.type == pafs.FileType.Directory and posixpath.basename(e.path.rstrip("/")).startswith(PREFIX)]
+        return [e.path for e in self._within(self._folders, "listing its folders")]
+
+    def remove(self, path: str) -> None:
+        """Delete one checkpoint folder (its URI or its path in this store); one already gone is no error."""
+        try:
+            self.fs.delete_dir(path.split("://", 1)[1] if "://" in path else path)
+        except Exception:  # already gone
+            pass
 
     def download(self, checkpoint: CheckpointInfo, local_dir: str) -> None:
         fs, path = open_fs(checkpoint.path)
@@ -201,11 +208,7 @@ class Storage:
         if len(complete) <= keep:
             return
         for old in complete[:-keep]:
-            path = old.path.split("://", 1)[1] if "://" in old.path else old.path
-            try:
-                self.fs.delete_dir(path)
-            except Exception:  # already gone
-                pass
+            self.remove(old.path)
 
 
 def _parse(path: str, data: bytes) -> tuple[CheckpointInfo | None, str]:

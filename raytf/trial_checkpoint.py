@@ -37,25 +37,14 @@ def drop_before(storage: Storage, checkpoint: CheckpointInfo) -> None:
     """Delete the trial's checkpoints older than `checkpoint` (Tune holds the one reported)."""
     for old in storage.list():
         if old.step < checkpoint.step:
-            _delete(storage, old)
-
-
-def _delete(storage: Storage, checkpoint: CheckpointInfo) -> None:
-    path = checkpoint.path.split("://", 1)[1] if "://" in checkpoint.path else checkpoint.path
-    try:
-        storage.fs.delete_dir(path)
-    except Exception:  # already gone
-        pass
+            storage.remove(old.path)
 
 
 def clear(storage: Storage) -> None:
     """Delete every checkpoint folder of the trial, complete or not (they must go: the trial resumes from what is
     left, and a folder cut short at the step handed back would otherwise stand in for it)."""
     for path in storage.folders():
-        try:
-            storage.fs.delete_dir(path)
-        except Exception:  # gone meanwhile; one that stays is named below
-            pass
+        storage.remove(path)  # one that stays is named below
     left = storage.folders()
     if left:
         raise RuntimeError(f"checkpoint.dir {storage.location}: could not remove {', '.join(left)} before the "

@@ -297,7 +297,7 @@ def write_state(state: tf.train.Checkpoint, storage: Storage, ctx: TaskContext, 
     finally:
         if local is not None:
             shutil.rmtree(local, ignore_errors=True)
-    if local is not None or not ctx.is_chief:  # a background upload reports its time when it is done
+    if local is not None:  # a background upload (local handed over) reports its time when it is done
         ctx.channel.checkpointed(time.time() - started)
     ctx.channel.phase("train")
 

@@ -169,8 +169,8 @@ class DrainWatch:
         notice, saved = self.notice, stop.saved
         step = saved.step if saved else None
         if notice.grow_to is not None:
-            message = (f"growing back from {self.workers} to {notice.grow_to} workers: " + (
-                f"checkpoint at step {step}" if saved else "no checkpoint could be written (the train_fn made none)"))
+            message = self._growing + (f"checkpoint at step {step}" if saved else
+                                       "no checkpoint could be written (the train_fn made none)")
             return Failure("resized", message, (), {message: []},
                            {**self._grow_details(now, step), "last_step": stop.step,
                             "checkpoint_s": saved.seconds if saved else None})
@@ -204,10 +204,14 @@ class DrainWatch:
         if said:
             self.display.message(f"{said}: {why}; going back to the last checkpoint")
         if notice.grow_to is not None:
-            message = f"growing back from {self.workers} to {notice.grow_to} workers: {why}"
+            message = self._growing + why
             return Failure("resized", message, (), {message: []}, self._grow_details(now, None))
         message = f"node {notice.node_ip} is draining: {why}"
         return Failure("preempted", message, tuple(notice.ranks), {message: notice.ranks}, notice.details(now, None))
+
+    @property
+    def _growing(self) -> str:
+        return f"growing back from {self.workers} to {self.notice.grow_to} workers: "
 
     def _grow_details(self, now: float, saved_step: int | None) -> dict[str, Any]:
         """result.json's restart entry for growing back."""
