@@ -50,6 +50,31 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(name)
 
 
+def _cpu_jiffies() -> tuple[int, int]:
+    """The machine's (busy, idle) jiffies so far, from /proc/stat (idle counts iowait)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:8]]
+    idle = fields[3] + fields[4]
+    return sum(fields) - idle, idle
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With RAYTF_TEST_CPU_LOG=<file>: one line per test (setup, call and teardown) of its wall seconds and the
+    machine's busy and idle core-seconds meanwhile, where the suite's time goes (docs/concepts/tests.md)."""
+    log = os.environ.get("RAYTF_TEST_CPU_LOG")
+    if not log:
+        yield
+        return
+    tick = os.sysconf("SC_CLK_TCK")
+    start, (busy0, idle0) = time.monotonic(), _cpu_jiffies()
+    yield
+    busy1, idle1 = _cpu_jiffies()
+    with open(log, "a") as f:
+        f.write(f"{time.monotonic() - start:.1f}\t{(busy1 - busy0) / tick:.1f}\t{(idle1 - idle0) / tick:.1f}\t"
+                f"{item.nodeid}\n")
+
+
 def base_spec(**sections):
     spec = {
         "name": "t",
