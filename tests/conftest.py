@@ -48,14 +48,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         for name in tier_of(item.path.name, item.get_closest_marker("cluster") is not None):
             item.add_marker(name)
-    # Two test processes (pytest-xdist, --dist loadgroup): a module that uses the session's cluster runs whole
-    # in one of them, with that cluster; every other module runs whole beside it (its module fixtures made
-    # once). Half the machine's cores sit idle in a serial run (measured: 70% busy): process starts, Ray
-    # nodes starting, and waits on timeouts; the other process fills them.
-    on_cluster = {item.path.name for item in items if "cluster" in item.fixturenames}
-    for item in items:
-        group = "session-cluster" if item.path.name in on_cluster else item.path.name
-        item.add_marker(pytest.mark.xdist_group(group))
 
 
 def _cpu_jiffies() -> tuple[int, int]:
