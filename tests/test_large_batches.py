@@ -301,9 +301,11 @@ def test_an_elastic_job_shrinks_keeping_the_effective_batch_and_grows_back_when_
     same steps per epoch, same per-replica memory. A node then joins: within one grow_check_s every worker
     stops at one step with a checkpoint, and the job ends on 4 workers again, 0 steps lost to growing."""
     (job_dir / "stateful.py").write_text(STATEFUL_MODEL)
-    # 5 epochs: the 2-worker attempt must still train while the node comes back (a Ray node takes seconds; with 2
-    # epochs a clean-clone CI run ended before it was back)
-    spec = base_spec(model="stateful:build_model", train={"epochs": 5, "global_batch_size": 32, "seed": 7},
+    # 8 epochs: the 2-worker attempt must still train while the node comes back and the probe finds it (~3.5 s
+    # here: the node's start, then the next 1-s check after the attempt's first checkpoint). It trains ~50 steps
+    # a second: with 5 epochs it had ~4 s and sometimes ended first (it grew at step 120-219 of 224).
+    epochs = 8
+    spec = base_spec(model="stateful:build_model", train={"epochs": epochs, "global_batch_size": 32, "seed": 7},
                      cluster={"workers": 4, "cpus_per_worker": 1, "reserve_timeout_s": 5},
                      checkpoint={"dir": str(job_dir / "ckpt"), "every_steps": 20},
                      failure={"max_restarts": 1, "hang_timeout_s": 60,
@@ -328,7 +330,7 @@ def test_an_elastic_job_shrinks_keeping_the_effective_batch_and_grows_back_when_
     assert killer.killed_at and returned, "the node was never removed, or never returned"
     assert len(result.restarts) == 2, result.restarts
     lost, grown = result.restarts
-    print(f"grew at step {grown['stop_step']} of {5 * TRAIN_ROWS // 32}")
+    print(f"grew at step {grown['stop_step']} of {epochs * (TRAIN_ROWS // 32)}")
     kept = {"global_batch_size": 16, "accumulation_steps": 2, "per_replica_batch_size": 8, "kept": "per_replica_batch"}
     assert lost["workers"] == 2 and lost["batch"] == kept
     assert grown["kind"] == "resized" and (grown["from_workers"], grown["workers"]) == (2, 4)
@@ -336,8 +338,8 @@ def test_an_elastic_job_shrinks_keeping_the_effective_batch_and_grows_back_when_
     assert grown["batch"]["global_batch_size"] == 32 and grown["batch"]["accumulation_steps"] == 1
     assert result.workers == 4 and json.loads((job_dir / "runs" / "t" / "result.json").read_text())["workers"] == 4
     steps = TRAIN_ROWS // 32
-    assert [t["optimizer_steps"] for t in result.tasks] == [5 * steps] * 4  # the schedule's steps, unchanged
-    assert [h["examples"] for h in result.history] == [steps * 32] * 5
+    assert [t["optimizer_steps"] for t in result.tasks] == [epochs * steps] * 4  # the schedule's steps, unchanged
+    assert [h["examples"] for h in result.history] == [steps * 32] * epochs
     assert len({t["weights_digest"] for t in result.tasks}) == 1
     assert_nothing_left()
 
