@@ -48,7 +48,8 @@ def main() -> None:
     print("|---|---:|---:|")
     for name, values in runs.items():
         med = statistics.median(values)
-        print(f"| {versions[name]} ({name}) | {med:.2f} | {med / pinned:.2f}x |")
+        label = f"{versions[name]} (pinned)" if name == "pinned" else versions[name]
+        print(f"| {label} | {med:.2f} | {med / pinned:.2f}x |")
 
 
 if __name__ == "__main__":
