@@ -330,14 +330,14 @@ def test_an_elastic_job_shrinks_keeping_the_effective_batch_and_grows_back_when_
     assert killer.killed_at and returned, "the node was never removed, or never returned"
     assert len(result.restarts) == 2, result.restarts
     lost, grown = result.restarts
-    print(f"grew at step {grown['stop_step']} of {epochs * (TRAIN_ROWS // 32)}")
+    steps = TRAIN_ROWS // 32
+    print(f"grew at step {grown['stop_step']} of {epochs * steps}")
     kept = {"global_batch_size": 16, "accumulation_steps": 2, "per_replica_batch_size": 8, "kept": "per_replica_batch"}
     assert lost["workers"] == 2 and lost["batch"] == kept
     assert grown["kind"] == "resized" and (grown["from_workers"], grown["workers"]) == (2, 4)
     assert grown["steps_lost"] == 0 and grown["resumed_from_step"] == grown["step_saved"] == grown["stop_step"]
     assert grown["batch"]["global_batch_size"] == 32 and grown["batch"]["accumulation_steps"] == 1
     assert result.workers == 4 and json.loads((job_dir / "runs" / "t" / "result.json").read_text())["workers"] == 4
-    steps = TRAIN_ROWS // 32
     assert [t["optimizer_steps"] for t in result.tasks] == [epochs * steps] * 4  # the schedule's steps, unchanged
     assert [h["examples"] for h in result.history] == [steps * 32] * epochs
     assert len({t["weights_digest"] for t in result.tasks}) == 1
