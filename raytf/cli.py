@@ -36,6 +36,9 @@ class _Main(click.Group):
 @click.version_option(package_name="raytf")
 def main() -> None:
     """Distributed TensorFlow training on Ray."""
+    from raytf import tf_import
+
+    tf_import.set_lean_driver()  # this process is raytf's own: its TensorFlow import may skip Keras's extras
 
 
 def _stderr_filtered(command):

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
-from raytf import backends
+from raytf import backends, tf_import
 from raytf.errors import SpecError
 from raytf.labels import check_labels
 from raytf.model_check import model_output_shape
@@ -20,6 +20,7 @@ from raytf.spec import FUNCTION_KEYS, LEGACY_INSTALL, JobSpec, function_ref
 def check_job_code(spec: JobSpec, job_dir: Path, datasets: Mapping[str, Any]) -> None:
     """The checks that import the job's code (and with it, usually, TensorFlow): each named function
     exists and is callable; the loss, optimizer and metric names are Keras's."""
+    tf_import.import_for_driver()
     for key in FUNCTION_KEYS:
         ref = function_ref(spec, key)
         if ref is not None:

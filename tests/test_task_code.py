@@ -165,16 +165,21 @@ def test_ctrl_c_exits_130_and_sigterm_143_each_saying_interrupted(capsys):
 
 
 @pytest.mark.timeout(60)
-def test_a_task_imports_tensorflow_without_scikit_learn_which_then_imports_as_usual():
-    """Keras's scikit-learn wrappers import scikit-learn with TensorFlow (~0.75 CPU-s of every worker's start
-    here); a task's import leaves it out, and the user's own `import sklearn` afterwards works."""
+def test_a_task_imports_tensorflow_without_scikit_learn_and_matplotlib_which_then_import_as_usual():
+    """Keras 3 imports scikit-learn and matplotlib with TensorFlow (~1.2 CPU-s of every worker's start here); a
+    task's import (and the console script's) leaves them out, and the user's own imports afterwards work."""
     pytest.importorskip("sklearn")
+    pytest.importorskip("matplotlib")
     code = textwrap.dedent("""
         import sys
-        from raytf.actor.task_actor import _import_tensorflow
-        _import_tensorflow()
-        left_out = "sklearn" not in sys.modules and "tensorflow" in sys.modules and "keras" in sys.modules
+        from raytf import tf_import
+        tf_import.import_tensorflow()
+        left_out = not {"sklearn", "matplotlib"} & set(sys.modules) and {"tensorflow", "keras"} <= set(sys.modules)
         import sklearn.linear_model
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        plt.plot([0, 1])
         print(left_out, round(float(sklearn.linear_model.LinearRegression().fit([[0], [1]], [0, 2]).coef_[0]), 6))
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)

@@ -18,6 +18,7 @@ from typing import Any
 
 import ray
 
+from raytf import tf_import
 from raytf.actor import raised, scratch, workdir
 from raytf.actor.channel import TaskChannel
 from raytf.actor.context import TaskContext
@@ -55,7 +56,7 @@ class TaskActor:
         self._training_thread: int | None = None  # the thread `train` runs in (its stack leads a hang's report)
         # Import TensorFlow while the rendezvous goes on (seconds of CPU; reading TF_CONFIG and starting
         # the server happen later, in setup). setup waits for this import through Python's import lock.
-        self._tf_import = threading.Thread(target=_import_tensorflow, daemon=True)
+        self._tf_import = threading.Thread(target=tf_import.import_tensorflow, daemon=True)
         self._tf_import.start()
 
     def location(self) -> ActorLocation:
@@ -197,23 +198,6 @@ class TaskActor:
         threads = stacks.snapshot(self._training_thread)
         doing, where, others = stacks.summary(threads)
         return {"doing": doing, "where": where, "others": others, "text": stacks.text(threads)}
-
-
-def _import_tensorflow() -> None:
-    """Import TensorFlow without the scikit-learn that Keras's scikit-learn wrappers import along with it where
-    it is installed: about 0.75 of TensorFlow's ~3.3 CPU-s here, in every worker, for wrappers no TF task uses.
-    scikit-learn imports as usual afterwards (keras.wrappers' SKLearn* classes, made without it, then say it
-    is missing: docs/known-issues.md)."""
-    import sys
-
-    blocked = "sklearn" not in sys.modules
-    if blocked:
-        sys.modules["sklearn"] = None  # Keras's `import sklearn` raises ImportError: its optional path
-    try:
-        importlib.import_module("tensorflow")
-    finally:
-        if blocked and "sklearn" in sys.modules and sys.modules["sklearn"] is None:
-            del sys.modules["sklearn"]
 
 
 def _configure_process(tf, task: Task, spec) -> None:

@@ -1,0 +1,45 @@
+"""TensorFlow's import without the optional stacks Keras 3 pulls in with it where they are installed:
+scikit-learn (for `keras.wrappers.SKLearn*`) and matplotlib (for `keras.visualization`'s plots). Together
+~1.2 of TensorFlow's ~4.3 CPU-s here (0.75 and 0.5), paid by every process that imports TensorFlow, for
+code no raytf task or driver calls.
+
+Only in processes that are raytf's own: each task actor, and the console script's driver (`lean_driver`).
+Never in a user's Python calling `raytf.fit`, whose Keras would lose those classes for the session. Both
+packages import as usual afterwards; only Keras's own references to them stay empty
+(docs/known-issues.md).
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+LEFT_OUT = ("sklearn", "matplotlib")
+
+_lean_driver = False  # set by the console script: the driver's process is raytf's own
+
+
+def import_tensorflow() -> None:
+    """Import TensorFlow (and with it Keras 3) with LEFT_OUT's packages hidden from it for the while: Keras
+    takes their ImportError as "not installed", its path for optional packages."""
+    hidden = [name for name in LEFT_OUT if name not in sys.modules]
+    for name in hidden:
+        sys.modules[name] = None
+    try:
+        importlib.import_module("tensorflow")
+    finally:
+        for name in hidden:
+            if name in sys.modules and sys.modules[name] is None:
+                del sys.modules[name]
+
+
+def set_lean_driver() -> None:
+    """The console script's driver imports TensorFlow lean too (`import_for_driver`)."""
+    global _lean_driver
+    _lean_driver = True
+
+
+def import_for_driver() -> None:
+    """Before the driver imports the job's code (which imports TensorFlow): lean in the console script; a
+    user's own Python imports TensorFlow as it always does, when the code asks for it."""
+    if _lean_driver and "tensorflow" not in sys.modules:
+        import_tensorflow()
