@@ -17,18 +17,18 @@ from raytf.job import load
 from tests.conftest import REPO, assert_nothing_left, task_files_in_temp_dir, write_job
 from tests.serving import feed_of, serve_in_a_fresh_process
 from tests.test_parameter_server import CHIEF_CRASHED
-from tests.test_user_paths import assert_quiet, files_under, run_cli
+from tests.test_user_paths import assert_quiet, files_under, run_cli, run_on_cluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(420), pytest.mark.flaky(reruns=1, only_rerun=[CHIEF_CRASHED])]
 
 
-def test_the_cnn_job_trains_on_two_workers_to_identical_weights(tmp_path):
-    """jobs/shapes.yaml from inside a copy of jobs/, on the embedded local Ray."""
+def test_the_cnn_job_trains_on_two_workers_to_identical_weights(tmp_path, cluster):
+    """jobs/shapes.yaml from inside a copy of jobs/, on the session's cluster (`--address`)."""
     jobs = tmp_path / "jobs"
     shutil.copytree(REPO / "jobs", jobs, ignore=shutil.ignore_patterns("__pycache__", "criteo-*"))
     before = files_under(jobs)
-    proc = run_cli(["run", "shapes.yaml", "--set", "train.epochs=5"], cwd=jobs, timeout=400,
-                   extra_env={"PYTHONPATH": str(REPO)})
+    proc = run_on_cluster(["run", "shapes.yaml", "--set", "train.epochs=5"], jobs, cluster, timeout=400,
+                          extra_env={"PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "runs" / "shapes" / "result.json").read_text())
     history = result["history"]

@@ -21,7 +21,7 @@ from raytf.job import load
 from raytf.job_code import fit_calls
 from tests.conftest import DIGITS, REPO, assert_nothing_left, base_spec, write_job
 from tests.faults import Killer
-from tests.test_user_paths import files_under, run_cli
+from tests.test_user_paths import files_under, run_cli, run_on_cluster
 
 EPOCHS = 3
 STEPS_PER_EPOCH = 1437 // 64  # digits, global batch 64: 22 steps per epoch
@@ -42,10 +42,11 @@ def jobs_copy(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def custom_run(cluster, jobs_copy):
-    """jobs/digits-custom.yaml, uninterrupted, through the console script from inside the job folder."""
+    """jobs/digits-custom.yaml, uninterrupted, through the console script from inside the job folder, with
+    `--address` to the session's cluster."""
     before = files_under(jobs_copy)
-    proc = run_cli(["run", "digits-custom.yaml", "--set", f"train.epochs={EPOCHS}", "--set", "failure.standby=false"],
-                   cwd=jobs_copy, timeout=280)  # no warm standbys: nothing is killed here
+    proc = run_on_cluster(["run", "digits-custom.yaml", "--set", f"train.epochs={EPOCHS}", "--set",
+                           "failure.standby=false"], jobs_copy, cluster, timeout=280)  # no warm standbys: nothing is killed
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert files_under(jobs_copy) == before  # nothing new in the job folder
     out = jobs_copy.parent / "runs" / "digits-custom"

@@ -1,6 +1,7 @@
 """Code written for plain tf.distribute, run as a migrating user runs it: the console script from the job
 folder, on the embedded local Ray (one node, so both workers share the node and, before each task had a
-folder of its own, one working directory).
+folder of its own, one working directory) where that matters (the tutorial's own files, a signal to the
+process group), else with `--address` to the session's cluster (a Ray start and stop less: ~5 s each).
 
 - TensorFlow's custom-training tutorial in its shape: its own MirroredStrategy loop, its metrics'
   `reset_states()` and `checkpoint.save('./training_checkpoints/ckpt')` every second epoch on every worker.
@@ -23,7 +24,7 @@ import pytest
 import yaml
 
 from tests.conftest import DIGITS, MODEL_MODULE, base_spec
-from tests.test_user_paths import RAYTF, run_cli
+from tests.test_user_paths import RAYTF, run_cli, run_on_cluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
@@ -203,10 +204,10 @@ def test_the_custom_training_tutorial_runs_as_written_under_legacy_and_workers_n
     assert sorted(os.listdir(folder)) == ["custom_training.py", "data", "job.yaml"]
 
 
-def test_a_failure_in_user_code_names_its_file_and_line_on_one_line_and_in_result_json(root):
+def test_a_failure_in_user_code_names_its_file_and_line_on_one_line_and_in_result_json(root, cluster):
     # Keras 3: the first epoch trains, then the tutorial's Keras 2 `reset_states()` fails
     folder = job_folder(root, "custom_training_k3", TUTORIAL, ["train: {epochs: 2, global_batch_size: 64}"])
-    proc = run_cli(["run", "job.yaml"], cwd=folder, timeout=220)
+    proc = run_on_cluster(["run", "job.yaml"], folder, cluster, timeout=220)
     assert proc.returncode == 1, proc.stderr[-3000:]
     where = f"custom_training_k3.py:{line_of(TUTORIAL, 'KERAS2-ONLY')}"
     error_lines = [line for line in proc.stderr.splitlines() if line.startswith("raytf: error:")]
@@ -219,12 +220,12 @@ def test_a_failure_in_user_code_names_its_file_and_line_on_one_line_and_in_resul
     assert [e["epoch"] for e in result["history"]] == [1], "the epoch reported before the failure is kept"
 
 
-def test_a_fit_longer_than_the_hang_timeout_lives_and_a_stuck_train_fn_is_caught_keeping_its_epochs(root):
+def test_a_fit_longer_than_the_hang_timeout_lives_and_a_stuck_train_fn_is_caught_keeping_its_epochs(root, cluster):
     folder = job_folder(root, "slow_fit", SLOW_FIT_THEN_STUCK,
                         ["train: {epochs: 1, global_batch_size: 64, keras: legacy}",
                          "failure: {hang_timeout_s: 4, max_restarts: 0}"])
     started = time.monotonic()
-    proc = run_cli(["run", "job.yaml"], cwd=folder, timeout=220)
+    proc = run_on_cluster(["run", "job.yaml"], folder, cluster, timeout=220)
     assert proc.returncode == 1, proc.stderr[-3000:]
     result = json.loads((root / "runs" / "result.json").read_text())
     assert "training hung: no progress from" in result["error"] and "for 4s" in result["error"], result["error"]
@@ -275,14 +276,14 @@ def test_a_signal_takes_the_ctrl_c_path_and_result_json_keeps_the_epochs(root, s
     assert result["status"] == "interrupted" and len(result["history"]) >= 2, result
 
 
-def test_a_diverging_job_stops_at_the_first_nan_epoch_and_exports_nothing(root):
+def test_a_diverging_job_stops_at_the_first_nan_epoch_and_exports_nothing(root, cluster):
     folder = job_folder(root, "diverging", "", [])
     (folder / "job.yaml").write_text(yaml.safe_dump(base_spec(
         name="diverging", model="tmodel:build_model", output={"dir": "../runs"},
         data={"train": "data/train.parquet", "validation": "data/test.parquet", "features": ["pixels"],
               "label": "label"}, optimizer={"name": "sgd", "learning_rate": 1e12}, train={"epochs": 5})))
     (folder / "tmodel.py").write_text(MODEL_MODULE)
-    proc = run_cli(["run", "job.yaml"], cwd=folder, timeout=220)
+    proc = run_on_cluster(["run", "job.yaml"], folder, cluster, timeout=220)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "the loss is nan at epoch 1, step 22 (rank 0)" in proc.stderr or \
         "the loss is inf at epoch 1, step 22 (rank 0)" in proc.stderr, proc.stderr[-3000:]

@@ -46,6 +46,14 @@ def run_cli(args, cwd, timeout=240, extra_env=None):
     return subprocess.run([RAYTF, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def run_on_cluster(args, cwd, cluster, timeout=240, extra_env=None):
+    """The console script with `--address` to the session's cluster (`cluster`: its fixture), where the path
+    under test is not the embedded Ray's: a Ray start and stop less (~10 s of a loaded machine). That cluster
+    runs without token auth; a token file in ~/.ray (an embedded Ray writes one) would make raytf send one."""
+    return run_cli([*args, "--address", cluster[0].address], cwd=cwd, timeout=timeout,
+                   extra_env={"RAY_AUTH_MODE": "disabled", **(extra_env or {})})
+
+
 def files_under(folder: Path, skip: Path | None = None) -> set[str]:
     return {str(p.relative_to(folder)) for p in folder.rglob("*")
             if p.is_file() and not (skip is not None and p.is_relative_to(skip))}
