@@ -385,7 +385,7 @@ FAILING_TRAIN_FN = textwrap.dedent('''
 
 
 @pytest.mark.timeout(180)
-def test_a_failing_job_shows_only_raytfs_lines_and_leaves_earlier_runs_behind(job_dir):
+def test_a_failing_job_shows_only_raytfs_lines_and_leaves_earlier_runs_behind(job_dir, cluster):
     """A second job in a folder: the first run's outputs (runs/, and an output.dir of another name that holds
     a large file) stay behind; a large data file travels, said in raytf's words, not in Ray's. The worker
     fails with a TensorFlow error: no TensorFlow start-up line on the terminal, only raytf's."""
@@ -402,7 +402,7 @@ def test_a_failing_job_shows_only_raytfs_lines_and_leaves_earlier_runs_behind(jo
     (earlier / "weights.bin").write_bytes(b"w" * 11 * 1024 ** 2)  # Ray would warn "File ... is very large"
     (job_dir / "data" / "big.bin").write_bytes(b"d" * 11 * 1024 ** 2)
 
-    proc = run_cli(["run", "job.yaml"], cwd=job_dir, timeout=150)
+    proc = run_on_cluster(["run", "job.yaml"], job_dir, cluster, timeout=150)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "boom.py:5: InvalidArgumentError: boom from the worker" in proc.stderr.splitlines()[-1], proc.stderr
     assert_quiet(proc)
