@@ -262,15 +262,15 @@ def assert_quiet(proc) -> None:
 @pytest.mark.cluster
 def test_tune_from_the_job_folder_runs_trials_in_kept_processes_and_its_best_spec_trains_the_same_from_elsewhere(
         cluster, project, tmp_path, mlflow):
-    """`raytf tune` from inside the job folder: two trials, one after the other (max_concurrent_trials: 1), of
-    models with state as users write them (BatchNormalization, Dropout, Embedding, LayerNormalization) in two
-    widths: the second runs in the first's processes (TensorFlow's collectives re-formed over other shapes), and
-    trains as in its own. MLflow (a real server) holds the sweep as a parent run with each trial's run nested in
-    it. Then the best spec, as it is, runs from a folder that is not the job's, by the absolute path of a symlink
-    to it (inside the job folder: the own-loop example's and tests/test_real_code.py's runs; from the repository
-    root: .ci/run, the README's command verbatim): with another Ray cluster up (the test cluster), it still
-    starts its own embedded Ray; every worker ends bit-identical, BatchNormalization's statistics included, and
-    the saved model scores the validation rows as the run reported; it is a run of its own in the same
+    """`raytf tune --address` (the session's cluster) from inside the job folder: two trials, one after the other
+    (max_concurrent_trials: 1), of models with state as users write them (BatchNormalization, Dropout, Embedding,
+    LayerNormalization) in two widths: the second runs in the first's processes (TensorFlow's collectives re-formed
+    over other shapes), and trains as in its own. MLflow (a real server) holds the sweep as a parent run with each
+    trial's run nested in it. Then the best spec, as it is, runs from a folder that is not the job's, by the
+    absolute path of a symlink to it (inside the job folder: the own-loop example's and tests/test_real_code.py's
+    runs; from the repository root: .ci/run, the README's command verbatim): with another Ray cluster up (the test
+    cluster), it still starts its own embedded Ray; every worker ends bit-identical, BatchNormalization's statistics
+    included, and the saved model scores the validation rows as the run reported; it is a run of its own in the same
     experiment. Neither command leaves a file in the job folder or where the user stood."""
     import keras
     import numpy as np
@@ -285,7 +285,7 @@ def test_tune_from_the_job_folder_runs_trials_in_kept_processes_and_its_best_spe
     sweep["train"]["epochs"] = 1
     (project / "sweep.yaml").write_text(yaml.safe_dump(sweep))
     before = files_under(project)
-    proc = run_cli(["tune", "sweep.yaml"], cwd=project)
+    proc = run_on_cluster(["tune", "sweep.yaml"], project, cluster)  # on an embedded Ray: test_tune's train_fn sweep
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert files_under(project) == before  # the best spec too goes to output.dir
     out = project.parent / "runs" / "sweep"
