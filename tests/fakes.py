@@ -241,6 +241,7 @@ class FakeResources:
         self.kept: tuple | None = None
         self.kept_fails_setup: str | None = None
         self.kept_asked: list = []  # the key of each take_kept
+        self.standby_filled: list[int] = []  # the task count of each fill_standby (one per armed attempt)
 
     def reserve(self, bundles, strategy: str, timeout_s: float, name: str):
         self.reservations.append(len(bundles))
@@ -261,7 +262,7 @@ class FakeResources:
         return group
 
     def fill_standby(self, pg, env, tasks, job="") -> None:
-        pass
+        self.standby_filled.append(len(tasks))
 
     def take_standby(self, pg, count: int) -> dict:
         return {}

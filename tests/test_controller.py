@@ -425,6 +425,15 @@ def test_the_restart_budget_runs_out(tmp_path):
     assert saved.count('"kind": "actor_died"') == 2  # the decision log: two restarts, then the end
 
 
+def test_warm_standbys_are_kept_only_while_a_charged_restart_is_left(tmp_path):
+    """Warm processes serve the next restart; once failure.max_restarts is used up, a failure ends the job."""
+    script = lambda attempt, task: (Script(fail_after=5.0, error=actor_died()) if attempt == 1 and task.rank == 1  # noqa: E731
+                                    else Script(finish_after=20))
+    c, world, _ = make(tmp_path, script, make_job(tmp_path, failure={"max_restarts": 1}))
+    assert run_fast(c).status == "succeeded" and len(world.groups) == 2
+    assert world.standby_filled == [2]  # the first attempt's; none for the second, after the one restart allowed
+
+
 def preemptible(tmp_path, **failure):
     return make_job(tmp_path, checkpoint={"dir": str(tmp_path / "ckpt"), "every_steps": 50},
                     failure={"max_restarts": 0, **failure})

@@ -439,7 +439,7 @@ class Controller:
     def _arm_standby(self) -> None:
         a = self.attempt
         a.standby_armed = True
-        if self.backend.supports_standby:
+        if self.backend.supports_standby and self.restart_policy.restarts_left(self.decisions) > 0:  # else unused
             self.resources.fill_standby(self.pg, self.env, a.tasks, self.spec.name)
 
     def _last_epochs(self) -> None:

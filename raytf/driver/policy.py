@@ -58,6 +58,10 @@ class RestartPolicy:
     def __init__(self, max_restarts: int):
         self.max_restarts = max_restarts
 
+    def restarts_left(self, decisions: list[dict]) -> int:
+        """The charged restarts still allowed after `decisions` (the run's restart records so far)."""
+        return self.max_restarts - sum(1 for d in decisions if d["charged"])
+
     def decide(self, failure: Failure, charged_so_far: int) -> Decision:
         if failure.kind == "checkpoint":  # not the workers' fault
             return Decision("restart", "falling back to the previous checkpoint", charged=False)
