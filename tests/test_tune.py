@@ -547,13 +547,14 @@ def test_pbt_copies_a_better_trials_checkpoint_and_perturbs_rate_and_batch_with_
     """Two trials, pbt every epoch: after epoch 1 the worse trial takes the better one's checkpoint of that epoch
     and goes on with its values perturbed (learning rate x0.8/x1.2, the batch a neighbouring choice), the rate
     scaled to the batch by lr_scaling. (ASHA, which only stops trials, is Tune's own and raytf's as before:
-    test_each_scheduler_is_tunes_own...; hyperband's test shows a stopped trial's workers end with it.)"""
+    test_each_scheduler_is_tunes_own...; hyperband's test shows a stopped trial's workers end with it.) One worker
+    a trial: what is tested is the scheduler's; 2-worker trials are hyperband's, optuna's and the user path's."""
     path = sweep_file(job_dir, {"space": {"optimizer.learning_rate": {"loguniform": [0.0003, 0.03]},
                                           "train.global_batch_size": {"choice": [32, 64, 128]}},
                                 "scheduler": {"name": "pbt", "perturbation_interval": 1, "resample_probability": 0},
                                 "lr_scaling": {"rule": "linear", "base_batch_size": 64},
                                 "num_samples": 2, "seed": 4},
-                      train={"epochs": 2})
+                      cluster={"workers": 1, "cpus_per_worker": 0.5}, train={"epochs": 2})
     result = raytf.tune(path)
     assert [r["status"] for r in result.rows] == ["completed", "completed"], result.table
     exploits = result.search["lineage"]
@@ -591,7 +592,7 @@ def test_pbt_copies_a_better_trials_checkpoint_and_perturbs_rate_and_batch_with_
 @pytest.mark.timeout(300)
 def test_a_bohb_search_pauses_and_promotes_its_suggested_trials_with_every_epoch_trained_once(cluster, job_dir):
     """BOHB (Tune's TuneBOHB and HyperBandForBOHB) over learning rate (loguniform) x global batch (choice), every
-    trial a 2-worker job, one at a time (2 of the cluster's 3 CPUs): the given point first, then BOHB's, inside
+    trial a 1-worker job (the searcher is what is tested), one at a time: the given point first, then BOHB's, inside
     the space. max_t 2, reduction factor 2: the first bracket's two trials pause at epoch 1 and the better one
     is promoted, resuming from its epoch-1 checkpoint; no trial trains or reports an epoch twice."""
     given = {"optimizer.learning_rate": 0.01, "train.global_batch_size": 48}
@@ -599,8 +600,8 @@ def test_a_bohb_search_pauses_and_promotes_its_suggested_trials_with_every_epoch
                                           "train.global_batch_size": {"choice": [48, 96]}},
                                 "search": {"algorithm": "bohb", "points_to_evaluate": [given]},
                                 "scheduler": {"name": "hyperband", "reduction_factor": 2},
-                                "num_samples": 2, "seed": 2},
-                      cluster={"workers": 2, "cpus_per_worker": 1}, train={"epochs": 2})
+                                "num_samples": 2, "seed": 2, "max_concurrent_trials": 1},
+                      cluster={"workers": 1, "cpus_per_worker": 1}, train={"epochs": 2})
     result = raytf.tune(path)
     rows = {r["point"]: r for r in result.rows}
     assert sorted(rows) == ["t00", "t01"] and rows["t00"]["config"] == given, result.table
