@@ -398,8 +398,7 @@ class Controller:
 
     def _decide(self) -> None:
         failure, nodes = self.failure
-        charged = sum(1 for d in self.decisions if d["charged"])
-        decision = self.restart_policy.decide(failure, charged)
+        decision = self.restart_policy.decide(failure, self.restart_policy.charged(self.decisions))
         if decision.action == "raise":
             self.error = TrainingFailed(f"training failed: {failure.message}"
                                         + (f" ({decision.reason})" if self.decisions else ""), failure.causes,

@@ -58,9 +58,13 @@ class RestartPolicy:
     def __init__(self, max_restarts: int):
         self.max_restarts = max_restarts
 
+    @staticmethod
+    def charged(decisions: list[dict]) -> int:
+        """The restarts counted against failure.max_restarts in `decisions` (the run's restart records so far)."""
+        return sum(1 for d in decisions if d["charged"])
+
     def restarts_left(self, decisions: list[dict]) -> int:
-        """The charged restarts still allowed after `decisions` (the run's restart records so far)."""
-        return self.max_restarts - sum(1 for d in decisions if d["charged"])
+        return self.max_restarts - self.charged(decisions)
 
     def decide(self, failure: Failure, charged_so_far: int) -> Decision:
         if failure.kind == "checkpoint":  # not the workers' fault
