@@ -3,7 +3,7 @@ scikit-learn (for `keras.wrappers.SKLearn*`) and matplotlib (for `keras.visualiz
 ~1.2 of TensorFlow's ~4.3 CPU-s here (0.75 and 0.5), paid by every process that imports TensorFlow, for
 code no raytf task or driver calls.
 
-Only in processes that are raytf's own: each task actor, and the console script's driver (`lean_driver`).
+Only in processes that are raytf's own: each task actor, and the console script's driver (`set_lean_driver`).
 Never in a user's Python calling `raytf.fit`, whose Keras would lose those classes for the session. Both
 packages import as usual afterwards; only Keras's own references to them stay empty
 (docs/known-issues.md).
