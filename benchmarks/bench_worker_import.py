@@ -1,6 +1,6 @@
 """What a raytf process's TensorFlow import costs, side by side in one run: a plain `import tensorflow`, the task
-actor's import before this change (scikit-learn hidden from Keras), and raytf.tf_import's (scikit-learn and
-matplotlib hidden), each in a fresh process that has imported raytf first (as a task actor has), interleaved per
+actor's first lean import (scikit-learn hidden from Keras), the previous head's raytf.tf_import (scikit-learn
+and matplotlib hidden) and today's (IPython hidden too), each in a fresh process that has imported raytf first (as a task actor has), interleaved per
 rep; the CPU seconds (user + system).
 
     python benchmarks/bench_worker_import.py [--reps 5]
@@ -17,7 +17,10 @@ WAYS = {
     "plain `import tensorflow`": "import tensorflow",
     "scikit-learn hidden (the actor's import before)":
         "import sys; sys.modules['sklearn'] = None; import tensorflow; del sys.modules['sklearn']",
-    "raytf.tf_import (scikit-learn and matplotlib hidden)":
+    "scikit-learn and matplotlib hidden (raytf.tf_import before)":
+        "import sys; sys.modules['sklearn'] = sys.modules['matplotlib'] = None; import tensorflow; "
+        "del sys.modules['sklearn'], sys.modules['matplotlib']",
+    "raytf.tf_import (scikit-learn, matplotlib and IPython hidden)":
         "from raytf import tf_import; tf_import.import_tensorflow()",
 }
 
@@ -39,8 +42,8 @@ def main() -> None:
     for _ in range(args.reps):
         for name, code in WAYS.items():
             runs[name].append(cpu_s(code))
-    base = statistics.median(runs["scikit-learn hidden (the actor's import before)"])
-    print("| import | CPU s (median) | vs the actor's before |")
+    base = statistics.median(runs["scikit-learn and matplotlib hidden (raytf.tf_import before)"])
+    print("| import | CPU s (median) | vs raytf.tf_import before |")
     print("|---|---:|---:|")
     for name, values in runs.items():
         med = statistics.median(values)

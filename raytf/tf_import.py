@@ -1,7 +1,7 @@
 """TensorFlow's import without the optional stacks Keras 3 pulls in with it where they are installed:
-scikit-learn (for `keras.wrappers.SKLearn*`) and matplotlib (for `keras.visualization`'s plots). Together
-~1.2 of TensorFlow's ~4.3 CPU-s here (0.75 and 0.5), paid by every process that imports TensorFlow, for
-code no raytf task or driver calls.
+scikit-learn (for `keras.wrappers.SKLearn*`), matplotlib (for `keras.visualization`'s plots) and IPython (for
+`keras.saving.KerasFileEditor`'s notebook display). Together ~1.5 of TensorFlow's ~4.3 CPU-s here (0.75, 0.5
+and 0.35), paid by every process that imports TensorFlow, for code no raytf task or driver calls.
 
 Only in processes that are raytf's own: each task actor, and the console script's driver (`set_lean_driver`).
 Never in a user's Python calling `raytf.fit`, whose Keras would lose those classes for the session. Both
@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-LEFT_OUT = ("sklearn", "matplotlib")
+LEFT_OUT = ("sklearn", "matplotlib", "IPython")
 
 _lean_driver = False  # set by the console script: the driver's process is raytf's own
 

@@ -165,16 +165,20 @@ def test_ctrl_c_exits_130_and_sigterm_143_each_saying_interrupted(capsys):
 
 
 @pytest.mark.timeout(60)
-def test_a_task_imports_tensorflow_without_scikit_learn_and_matplotlib_which_then_import_as_usual():
-    """Keras 3 imports scikit-learn and matplotlib with TensorFlow (~1.2 CPU-s of every worker's start here); a
-    task's import (and the console script's) leaves them out, and the user's own imports afterwards work."""
+def test_a_task_imports_tensorflow_without_scikit_learn_matplotlib_and_ipython_which_then_import_as_usual():
+    """Keras 3 imports scikit-learn, matplotlib and IPython with TensorFlow (~1.5 CPU-s of every worker's start
+    here); a task's import (and the console script's) leaves them out, and the user's own imports afterwards work."""
     pytest.importorskip("sklearn")
     pytest.importorskip("matplotlib")
+    pytest.importorskip("IPython")
     code = textwrap.dedent("""
         import sys
         from raytf import tf_import
         tf_import.import_tensorflow()
-        left_out = not {"sklearn", "matplotlib"} & set(sys.modules) and {"tensorflow", "keras"} <= set(sys.modules)
+        left_out = not {"sklearn", "matplotlib", "IPython"} & set(sys.modules) and {"tensorflow", "keras"} <= set(sys.modules)
+        import IPython
+        from keras.src.saving import file_editor
+        assert IPython.get_ipython() is None and file_editor.is_ipython_notebook() is False
         import sklearn.linear_model
         import matplotlib
         matplotlib.use("Agg")
