@@ -224,3 +224,27 @@ def test_a_model_that_cannot_be_saved_as_model_keras_is_found_before_it_trains(j
                                         r"a get_config\(\) returning its __init__ arguments, or export only a SavedModel"):
         load(path)
     load(write_job(job_dir, base_spec(model="unsavable:build", output={"export": ["saved_model"]})))
+
+
+@pytest.mark.parametrize("role, cpus, threads", [("worker", 0.5, (1, 2)), ("ps", 0.25, (1, 2)), ("worker", 1, (1, 2)),
+                                                 ("chief", 3, (3, 3))])
+def test_a_tasks_thread_pools_follow_the_cpus_it_reserved_one_thread_for_a_fraction(role, cpus, threads):
+    """TensorFlow's pools default to one thread per core in every process: workers sharing a node's cores each
+    spawn a pool per core (three 0.5-CPU processes on 2 cores: 1.6x the CPU per step, benchmarks/
+    bench_fractional_threads.py). Inter-op stays at 2 or more: a collective blocks its thread while it waits."""
+    from types import SimpleNamespace
+
+    from raytf.actor.task_actor import _configure_process
+    from raytf.job import parse
+
+    set_to = {}
+    threading = SimpleNamespace(set_intra_op_parallelism_threads=lambda n: set_to.__setitem__("intra", n),
+                                set_inter_op_parallelism_threads=lambda n: set_to.__setitem__("inter", n))
+    tf = SimpleNamespace(config=SimpleNamespace(threading=threading, list_physical_devices=lambda kind: []))
+    cluster = {"workers": 2, "cpus_per_worker": cpus} if role == "worker" else (
+        {"workers": 2, "ps": 1, "cpus_per_ps": cpus} if role == "ps" else {"workers": 2, "ps": 1, "cpus_per_chief": cpus})
+    spec = parse({"name": "t", "model": "m:f", "dataset_fn": "m:d", "cluster": cluster,
+                  **({"strategy": "parameter_server"} if role != "worker" else {}),
+                  "train": {"global_batch_size": 8, "steps_per_epoch": 4, "deterministic": False}})
+    _configure_process(tf, SimpleNamespace(role=role), spec)
+    assert (set_to["intra"], set_to["inter"]) == threads

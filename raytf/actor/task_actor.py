@@ -207,13 +207,13 @@ def _configure_process(tf, task: Task, spec) -> None:
     if spec.cluster.gpu_memory_growth:  # before any GPU is initialised
         for gpu in tf.config.list_physical_devices("GPU"):
             tf.config.experimental.set_memory_growth(gpu, True)
-    # Size TF's thread pools to the CPUs this actor reserved (as Ray does for OMP_NUM_THREADS):
-    # several workers on one node otherwise each spawn a pool per core and fight over them.
+    # Size TF's thread pools to the CPUs this actor reserved (as Ray does for OMP_NUM_THREADS), one thread
+    # for a fraction of a CPU: several workers on one node otherwise each spawn a pool per core and fight
+    # over them. Two inter-op threads at least: a collective op blocks its thread while it waits for peers.
     cluster = spec.cluster
     cpus = {"ps": cluster.cpus_per_ps, "chief": cluster.cpus_per_chief}.get(task.role, cluster.cpus_per_worker)
-    if cpus >= 1:
-        tf.config.threading.set_intra_op_parallelism_threads(int(cpus))
-        tf.config.threading.set_inter_op_parallelism_threads(max(2, int(cpus)))
+    tf.config.threading.set_intra_op_parallelism_threads(max(1, int(cpus)))
+    tf.config.threading.set_inter_op_parallelism_threads(max(2, int(cpus)))
 
 
 def _name_this_actor(name: str) -> None:
