@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -223,20 +224,29 @@ def test_a_run_killed_after_two_checkpoints_resumes_from_the_bucket_on_a_new_clu
         s3, job_dir, tmp_path):
     """`raytf run --resume auto` with output.dir in a bucket, killed (SIGKILL to it and its embedded Ray) after
     its second checkpoint (a second driver on the same run is refused meanwhile); the same command again (a brand-new Ray) continues from the bucket and every epoch
-    is trained once; a third start trains nothing. Everything is in the bucket, nothing in the job folder."""
+    is trained once; a third start trains nothing. Everything is in the bucket, nothing in the job folder.
+
+    Before the kill the store holds the checkpoints' writes (a proxy in front of it): the chief's next checkpoint
+    waits for the held upload, and the watchdog (failure.hang_mode observe) names it, in storage I/O, while its
+    peer waits in the step's collective, and the job goes on; the held checkpoint is never listed (never torn)."""
+    from tests.s3_server import FaultProxy
+
     (job_dir / "paced.py").write_text(PACED_MODEL)
     out = f"s3://{s3.bucket()}/runs/m"
     write_job(job_dir, base_spec(name="m", model="paced:build_model", train={"epochs": 5},
-                                 output={"dir": out}))
+                                 output={"dir": out}, failure={"hang_timeout_s": 8, "hang_mode": "observe"}))
     before = listing(job_dir)
     command = [str(BIN / "raytf"), "run", "job.yaml", "--resume", "auto"]
 
+    proxy = FaultProxy(s3.endpoint)
     first = subprocess.Popen(command, cwd=job_dir, start_new_session=True, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+                             stderr=subprocess.STDOUT, text=True, env={**os.environ, "AWS_ENDPOINT_URL": proxy.endpoint})
+    said_first: list[str] = []
+    threading.Thread(target=lambda: said_first.extend(first.stdout), daemon=True).start()
     try:
         deadline = time.time() + 150
         while len([f for f in s3.files(f"{out}/checkpoints") if f.endswith("/raytf.json")]) < 2:
-            assert first.poll() is None and time.time() < deadline, first.stdout.read()[-3000:]
+            assert first.poll() is None and time.time() < deadline, "".join(said_first[-30:])
             time.sleep(0.1)
         # A second driver on the same run, as from another machine (its own temp folder): refused in one line
         # before it reads the job's code, and it writes nothing (result.json below is still the first's).
@@ -249,9 +259,24 @@ def test_a_run_killed_after_two_checkpoints_resumes_from_the_bucket_on_a_new_clu
             f"raytf: error: output.dir {out} is in use by another run (pid {first.pid} on {socket.gethostname()}, "
             + refused.stderr.split(f"pid {first.pid} on {socket.gethostname()}, ", 1)[1].strip()]
         assert "lease renewed until" in refused.stderr and list(other_tmp.iterdir()) == []
+
+        proxy.fault("hold", match=r"^PUT \S*/checkpoints/")  # the next checkpoint's upload never answers
+        while not any("every rank's stacks are in" in line for line in said_first):
+            assert first.poll() is None and time.time() < deadline, "".join(said_first[-30:])
+            time.sleep(0.1)
+        time.sleep(1.0)  # the rank lines follow the first
+        assert first.poll() is None  # observe: named, and the job goes on
     finally:
         os.killpg(first.pid, signal.SIGKILL)  # the driver and its embedded Ray: the cluster is gone
         first.wait(30)
+        proxy.close()
+    report = "".join(said_first)
+    assert "(failure.hang_mode observe: the job goes on)" in report, report[-3000:]
+    waiting = re.search(r"raytf:   rank 0 \(chief, step (\d+) \w+, no progress\): storage I/O at uploads\.py:\d+ in _wait",
+                        report)
+    assert waiting, report[-3000:]
+    assert re.search(r"raytf:   rank 1 \(worker, step \d+ \w+, no progress\): a TensorFlow step or collective at ",
+                     report), report[-3000:]
     killed = json.loads(s3.read(f"{out}/result.json"))
     assert killed["status"] == "running" and killed["attempts"][0]["ended"] is None
 
@@ -262,6 +287,8 @@ def test_a_run_killed_after_two_checkpoints_resumes_from_the_bucket_on_a_new_clu
     assert said, second.stderr[-3000:]
     step, epoch = int(said.group(1)), int(said.group(2))
     assert step in (44, 66, 88) and epoch == step // 22 + 1  # at or after the second checkpoint, before the end
+    # the chief waited at this epoch's checkpoint for the last one's upload, held: that one was never listed
+    assert step == int(waiting.group(1)) - 2 * 22
     trained = [int(e) for e in re.findall(r"^epoch (\d+) done", second.stderr, re.M)]
     assert trained == list(range(epoch, 6)), second.stderr[-3000:]  # this attempt trained only what was left
     result = json.loads(s3.read(f"{out}/result.json"))
@@ -275,6 +302,8 @@ def test_a_run_killed_after_two_checkpoints_resumes_from_the_bucket_on_a_new_clu
     assert len({t["weights_digest"] for t in result["tasks"]}) == 1
     stored = s3.files(out)
     assert {"result.json", "model.keras"} <= set(stored), sorted(stored)  # (the SavedModel: the PS job's test)
+    # the killed run's hang report (its staging folder) shipped by the next run: every thread's stack per rank
+    assert "uploads.py" in s3.read(f"{out}/hangs/attempt-1/rank-0.txt").decode()
     assert any(name.startswith("tensorboard/") for name in stored)
     assert result["model_path"] == f"{out}/model.keras" and result["output_dir"] == out
     assert f"raytf: result {out}/result.json" in second.stdout
