@@ -4,8 +4,8 @@ scikit-learn (for `keras.wrappers.SKLearn*`), matplotlib (for `keras.visualizati
 and 0.35), paid by every process that imports TensorFlow, for code no raytf task or driver calls.
 
 Only in processes that are raytf's own: each task actor, and the console script's driver (`set_lean_driver`).
-Never in a user's Python calling `raytf.fit`, whose Keras would lose those classes for the session. Both
-packages import as usual afterwards; only Keras's own references to them stay empty
+Never in a user's Python calling `raytf.fit`, whose Keras would lose those classes for the session. All
+three import as usual afterwards; only Keras's own references to them stay empty
 (docs/known-issues.md).
 """
 from __future__ import annotations

@@ -241,10 +241,10 @@ def test_a_tasks_thread_pools_follow_the_cpus_it_reserved_one_thread_for_a_fract
     threading = SimpleNamespace(set_intra_op_parallelism_threads=lambda n: set_to.__setitem__("intra", n),
                                 set_inter_op_parallelism_threads=lambda n: set_to.__setitem__("inter", n))
     tf = SimpleNamespace(config=SimpleNamespace(threading=threading, list_physical_devices=lambda kind: []))
-    cluster = {"workers": 2, "cpus_per_worker": cpus} if role == "worker" else (
-        {"workers": 2, "ps": 1, "cpus_per_ps": cpus} if role == "ps" else {"workers": 2, "ps": 1, "cpus_per_chief": cpus})
+    parameter_servers = role != "worker"  # ps and chief tasks are the parameter-server strategy's
+    cluster = {"workers": 2, f"cpus_per_{role}": cpus, **({"ps": 1} if parameter_servers else {})}
     spec = parse({"name": "t", "model": "m:f", "dataset_fn": "m:d", "cluster": cluster,
-                  **({"strategy": "parameter_server"} if role != "worker" else {}),
+                  **({"strategy": "parameter_server"} if parameter_servers else {}),
                   "train": {"global_batch_size": 8, "steps_per_epoch": 4, "deterministic": False}})
     _configure_process(tf, SimpleNamespace(role=role), spec)
     assert (set_to["intra"], set_to["inter"]) == threads
