@@ -107,10 +107,13 @@ def test_after_the_held_group_waited_in_vain_the_full_size_gets_the_short_wait()
     assert ScalingPolicy(spec(elastic=False), limits, True).sizes(True, full_size_waited=True) == [(4, 60.0)]
 
 
-def test_the_stop_step_is_past_the_furthest_rank_by_the_margin_and_at_least_two_steps():
+def test_the_stop_step_is_past_the_furthest_rank_by_the_margin_and_at_least_two_steps_and_never_an_epochs_last():
     assert stop_step([100, 104], 20.0, 0.5) == 114  # 10 steps of travel at 20 steps/s
     assert stop_step([100, 104], 1.0, 0.5) == 106  # slow steps: still two ahead
     assert stop_step([7], None, 0.5) == 17  # no rate measured yet
+    # an epoch's last step is passed by one: a train_fn's report of that epoch comes after it
+    assert stop_step([80], None, 0.5, steps_per_epoch=90) == 90 + 1
+    assert stop_step([80], None, 0.5, steps_per_epoch=89) == 90
 
 
 def test_a_checkpoint_fits_when_the_way_to_the_stop_and_two_saves_fit_before_the_deadline():

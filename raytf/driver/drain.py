@@ -149,7 +149,8 @@ class DrainWatch:
         answered = [progress[r] for r in loop_ranks if progress[r] is not None]
         rates = [p.steps_per_s for p in answered if p.steps_per_s]
         steps = [p.global_step for p in answered]
-        target = stop_step(steps, max(rates, default=None), self.limits.preempt_margin_s)
+        per_epoch = next((p.steps for p in answered if p.steps), None)
+        target = stop_step(steps, max(rates, default=None), self.limits.preempt_margin_s, per_epoch)
         # the slowest rank's way to the stop step, at the slowest rate (no rate yet: the margin)
         to_stop_s = (target - min(steps, default=0)) / min(rates) if rates else self.limits.preempt_margin_s
         if not checkpoint_fits(seconds_left, checkpoint_s, to_stop_s):

@@ -161,11 +161,15 @@ class ReplacementPolicy:
         return True
 
 
-def stop_step(steps: list[int], steps_per_s: float | None, margin_s: float) -> int:
+def stop_step(steps: list[int], steps_per_s: float | None, margin_s: float,
+              steps_per_epoch: int | None = None) -> int:
     """The step every loop-running rank stops at after a drain notice: past the furthest rank by the steps
-    that run while the request travels (`margin_s` of training at the measured rate; at least 2)."""
+    that run while the request travels (`margin_s` of training at the measured rate; at least 2), and never an
+    epoch's last step: a train_fn reports an epoch after that step, so stopping there would lose the report
+    (the restart resumes past the epoch)."""
     ahead = max(2, math.ceil(steps_per_s * margin_s)) if steps_per_s else 10
-    return max(steps, default=0) + ahead
+    target = max(steps, default=0) + ahead
+    return target + 1 if steps_per_epoch and target % steps_per_epoch == 0 else target
 
 
 def checkpoint_fits(seconds_left: float | None, checkpoint_s: float | None, to_stop_s: float) -> bool:
