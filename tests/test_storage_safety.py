@@ -151,13 +151,13 @@ def test_a_silent_endpoint_is_an_error_within_the_deadline_not_a_hang(s3, job_di
     proxy = FaultProxy(s3.endpoint).fault("hold")
     bucket = s3.bucket()
     try:
-        env = {"AWS_ENDPOINT_URL": proxy.endpoint, "RAYTF_STORAGE_TIMEOUT_S": "2"}
+        env = {"AWS_ENDPOINT_URL": proxy.endpoint, "RAYTF_STORAGE_TIMEOUT_S": "1"}
         started = time.monotonic()
         shown_run = raytf_cli("results", f"s3://{bucket}/runs/m", cwd=Path.cwd(), env=env, timeout=30)
         took = time.monotonic() - started
         assert shown_run.returncode == 5, shown_run.stderr  # the storage unreadable (raytf results' code)
         lines = shown_run.stderr.strip().splitlines()
-        assert len(lines) == 1 and f"({proxy.endpoint}, " in lines[0] and "did not answer within 2 s" in lines[0]
+        assert len(lines) == 1 and f"({proxy.endpoint}, " in lines[0] and "did not answer within 1 s" in lines[0]
         assert took < 15 and proxy.held >= 1
         write_job(job_dir, base_spec())
         started = time.monotonic()
@@ -166,7 +166,7 @@ def test_a_silent_endpoint_is_an_error_within_the_deadline_not_a_hang(s3, job_di
         assert run.returncode == 1 and time.monotonic() - started < 15, run.stderr
         assert run.stderr.strip().splitlines() == [line for line in run.stderr.strip().splitlines()
                                                    if line.startswith("raytf: error: output.dir")]
-        assert "did not answer within 2 s" in run.stderr
+        assert "did not answer within 1 s" in run.stderr
     finally:
         proxy.close()
 
