@@ -3,6 +3,7 @@ through raytf's loop; a label whose shape disagrees with the loss (or the model'
 naming the label's shape and the loss that fits; the reported loss is Keras's (the model's own losses in)."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -18,7 +19,7 @@ from raytf.actor import shard_reader
 from raytf.errors import SpecError
 from raytf.job import load
 from raytf.labels import check_label_shape, loss_key
-from tests.conftest import DIGITS, base_spec, write_job
+from tests.conftest import DIGITS, MODEL_MODULE, base_spec, write_job
 
 
 def one_hot_digits(folder, split: str, integer: bool = False) -> str:
@@ -297,46 +298,11 @@ def two_replicas(job_dir, *tasks):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.timeout(300)
-def test_one_hot_labels_with_categorical_crossentropy_train_like_class_ids_with_the_sparse_loss(labelled):
-    """The same digits, seed and order: one-hot + categorical_crossentropy and class ids + the sparse loss
-    are the same loss, so raytf's loop (2 replicas) trains them to the same accuracy, epoch for epoch;
-    'accuracy' resolves to the accuracy that reads each label."""
-    ids = one_hot_spec(loss={"name": "sparse_categorical_crossentropy", "from_logits": True})
-    ids["data"]["label"] = "label"  # the same files (so the same row groups, so the same order): the class ids
-    sparse, one_hot = two_replicas(labelled, *({"kind": "train", "epochs": 2, "job": str(write_job(labelled, spec, name))}
-                                               for spec, name in ((ids, "sparse.yaml"), (one_hot_spec(), "onehot.yaml"))))
-    assert sparse["metrics"] == {"accuracy": "SparseCategoricalAccuracy"}
-    assert one_hot["metrics"] == {"accuracy": "CategoricalAccuracy"}
-    for a, b in zip(sparse["history"], one_hot["history"]):
-        assert a["examples"] == b["examples"] == 22 * 64 and a["val_examples"] == b["val_examples"] == 360
-        assert a["accuracy"] == b["accuracy"] and a["val_accuracy"] == b["val_accuracy"], (a, b)  # (measured: equal)
-        for key in ("loss", "val_loss"):
-            assert b[key] == pytest.approx(a[key], rel=1e-5), (key, a, b)  # float rounding apart
-    assert one_hot["history"][-1]["val_accuracy"] > 0.9 and sparse["history"][-1]["val_accuracy"] > 0.9
-
-
-@pytest.mark.timeout(300)
-def test_a_multi_output_regression_label_trains_with_mse(labelled):
-    spec = base_spec(data={"train": "data/regression-train.parquet", "validation": "data/regression-test.parquet",
-                           "features": ["pixels"], "label": "target"},
-                     model="tmodel:build_regressor", loss="mse", metrics=["mae"])
-    with open(labelled / "tmodel.py", "a") as f:
-        f.write(textwrap.dedent('''
-            def build_regressor():
-                return keras.Sequential([keras.Input(shape=(64,)), keras.layers.Dense(32, activation="relu"),
-                                         keras.layers.Dense(3)])
-        '''))
-    out, = two_replicas(labelled, {"kind": "train", "epochs": 3,
-                                   "job": str(write_job(labelled, spec, "regression.yaml"))})
-    target = np.stack(pq.read_table(labelled / "data/regression-test.parquet").column("target").to_numpy(
-        zero_copy_only=False))
-    baseline_mae = float(np.abs(target - target.mean(axis=0)).mean())  # predicting each output's mean
-    first, last = out["history"][0], out["history"][-1]
-    assert out["metrics"] == {"mae": "MeanAbsoluteError"}
-    assert last["val_mae"] < 0.5 * baseline_mae, (last, baseline_mae)
-    assert last["loss"] < first["loss"] and last["val_examples"] == 360
-
+REGRESSOR = textwrap.dedent('''
+    def build_regressor():
+        return keras.Sequential([keras.Input(shape=(64,)), keras.layers.Dense(32, activation="relu"),
+                                 keras.layers.Dense(3)])
+''')
 
 REGULARIZED = textwrap.dedent('''
     import keras
@@ -348,17 +314,74 @@ REGULARIZED = textwrap.dedent('''
 ''')
 
 
+@pytest.fixture(scope="module")
+def replica_runs(tmp_path_factory):
+    """The 2-replica outcomes the tests below read, run in one TensorFlow process (its start is most of each):
+    the digits with class ids and with one-hot labels (2 epochs each), a 3-output regression (3 epochs), and one
+    step of an L2-regularized model with 1, then 2 micro-batches per replica."""
+    folder = tmp_path_factory.mktemp("labels")
+    (folder / "tmodel.py").write_text(MODEL_MODULE + REGRESSOR)
+    (folder / "treg.py").write_text(REGULARIZED)
+    shutil.copytree(DIGITS, folder / "data", ignore=shutil.ignore_patterns("*.py"))
+    for split in ("train", "test"):
+        one_hot_digits(folder / "data", split)
+        regression_digits(folder / "data", split)
+    ids = one_hot_spec(loss={"name": "sparse_categorical_crossentropy", "from_logits": True})
+    ids["data"]["label"] = "label"  # the same files (so the same row groups, so the same order): the class ids
+    regression = base_spec(data={"train": "data/regression-train.parquet",
+                                 "validation": "data/regression-test.parquet", "features": ["pixels"],
+                                 "label": "target"}, model="tmodel:build_regressor", loss="mse", metrics=["mae"])
+    tasks = {"sparse": {"kind": "train", "epochs": 2, "spec": ids},
+             "one_hot": {"kind": "train", "epochs": 2, "spec": one_hot_spec()},
+             "regression": {"kind": "train", "epochs": 3, "spec": regression}}
+    for k in (1, 2):
+        tasks[f"step_k{k}"] = {"kind": "step", "spec": base_spec(
+            model="treg:build_regularized", train={"global_batch_size": 64 // k, "accumulation_steps": k})}
+    for name, task in tasks.items():
+        task["job"] = str(write_job(folder, task.pop("spec"), f"{name}.yaml"))
+    outcomes = two_replicas(folder, *tasks.values())
+    return folder, dict(zip(tasks, outcomes))
+
+
+@pytest.mark.timeout(300)
+def test_one_hot_labels_with_categorical_crossentropy_train_like_class_ids_with_the_sparse_loss(replica_runs):
+    """The same digits, seed and order: one-hot + categorical_crossentropy and class ids + the sparse loss
+    are the same loss, so raytf's loop (2 replicas) trains them to the same accuracy, epoch for epoch;
+    'accuracy' resolves to the accuracy that reads each label."""
+    _, runs = replica_runs
+    sparse, one_hot = runs["sparse"], runs["one_hot"]
+    assert sparse["metrics"] == {"accuracy": "SparseCategoricalAccuracy"}
+    assert one_hot["metrics"] == {"accuracy": "CategoricalAccuracy"}
+    assert len(sparse["history"]) == len(one_hot["history"]) == 2
+    for a, b in zip(sparse["history"], one_hot["history"]):
+        assert a["examples"] == b["examples"] == 22 * 64 and a["val_examples"] == b["val_examples"] == 360
+        assert a["accuracy"] == b["accuracy"] and a["val_accuracy"] == b["val_accuracy"], (a, b)  # (measured: equal)
+        for key in ("loss", "val_loss"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), (key, a, b)  # float rounding apart
+    assert one_hot["history"][-1]["val_accuracy"] > 0.9 and sparse["history"][-1]["val_accuracy"] > 0.9
+
+
+@pytest.mark.timeout(300)
+def test_a_multi_output_regression_label_trains_with_mse(replica_runs):
+    folder, runs = replica_runs
+    out = runs["regression"]
+    target = np.stack(pq.read_table(folder / "data/regression-test.parquet").column("target").to_numpy(
+        zero_copy_only=False))
+    baseline_mae = float(np.abs(target - target.mean(axis=0)).mean())  # predicting each output's mean
+    first, last = out["history"][0], out["history"][-1]
+    assert out["metrics"] == {"mae": "MeanAbsoluteError"}
+    assert len(out["history"]) == 3 and last["val_mae"] < 0.5 * baseline_mae, (last, baseline_mae)
+    assert last["loss"] < first["loss"] and last["val_examples"] == 360
+
+
 @pytest.mark.timeout(300)
 def test_the_reported_loss_and_the_gradient_count_the_regularizers_as_keras_does_with_and_without_accumulation(
-        job_dir):
+        replica_runs):
     """An L2 kernel_regularizer, 2 replicas (with 1, then 2 micro-batches each): one step moves the weights as
     the gradient of Keras's loss (data loss mean + sum(model.losses)) on one device does, the regularizers
     counted once; the reported loss and validation loss are Keras's (the latter: model.evaluate's)."""
-    (job_dir / "treg.py").write_text(REGULARIZED)
-    tasks = [{"kind": "step", "job": str(write_job(job_dir, base_spec(
-        model="treg:build_regularized", train={"global_batch_size": 64 // k, "accumulation_steps": k}), f"k{k}.yaml"))}
-             for k in (1, 2)]
-    for out in two_replicas(job_dir, *tasks):
+    _, runs = replica_runs
+    for out in (runs["step_k1"], runs["step_k2"]):
         assert out["regularization"] > 0.2 * out["data_loss"], out  # large enough that leaving it out shows
         assert out["reported"] == pytest.approx(out["keras_loss"], rel=1e-5), out
         assert out["weights_gap"] < 1e-5 < out["step"], out  # the step is Keras's loss's gradient step
