@@ -154,7 +154,8 @@ class ClusterSpec(StrictModel):
     workers: int = Field(default=2, ge=1, description=(
         "Worker tasks (one Ray actor each); 1, and the default, under one_device and central_storage."))
     cpus_per_worker: float = Field(default=1.0, ge=0, description=(
-        "CPUs each worker's bundle reserves; its TensorFlow pools get that many intra-op threads (one below 1 CPU)."))
+        "CPUs each worker's bundle reserves; its TensorFlow pools get that many intra-op threads (one below 1 CPU, "
+        "whose idle threads then do not spin)."))
     gpus_per_worker: float = Field(default=0.0, ge=0, description=(
         "GPUs each worker's bundle reserves (a fraction shares a GPU). Each GPU is a replica."))
     resources_per_worker: dict[str, float] = Field(default_factory=dict, description=(

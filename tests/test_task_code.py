@@ -228,10 +228,12 @@ def test_a_model_that_cannot_be_saved_as_model_keras_is_found_before_it_trains(j
 
 @pytest.mark.parametrize("role, cpus, threads", [("worker", 0.5, (1, 2)), ("ps", 0.25, (1, 2)), ("worker", 1, (1, 2)),
                                                  ("chief", 3, (3, 3))])
-def test_a_tasks_thread_pools_follow_the_cpus_it_reserved_one_thread_for_a_fraction(role, cpus, threads):
+def test_a_tasks_thread_pools_follow_the_cpus_it_reserved_one_thread_and_no_spinning_for_a_fraction(role, cpus, threads,
+                                                                                                  monkeypatch):
     """TensorFlow's pools default to one thread per core in every process: workers sharing a node's cores each
     spawn a pool per core (three 0.5-CPU processes on 2 cores: 1.6x the CPU per step, benchmarks/
-    bench_fractional_threads.py). Inter-op stays at 2 or more: a collective blocks its thread while it waits."""
+    bench_fractional_threads.py); their idle threads spinning for the next op take what the neighbours need.
+    Inter-op stays at 2 or more: a collective blocks its thread while it waits."""
     from types import SimpleNamespace
 
     from raytf.actor.task_actor import _configure_process
@@ -246,5 +248,9 @@ def test_a_tasks_thread_pools_follow_the_cpus_it_reserved_one_thread_for_a_fract
     spec = parse({"name": "t", "model": "m:f", "dataset_fn": "m:d", "cluster": cluster,
                   **({"strategy": "parameter_server"} if parameter_servers else {}),
                   "train": {"global_batch_size": 8, "steps_per_epoch": 4, "deterministic": False}})
+    from raytf.actor import task_actor
+
+    monkeypatch.setattr(task_actor, "_disable_thread_spinning", lambda: set_to.__setitem__("spinning", False))
     _configure_process(tf, SimpleNamespace(role=role), spec)
     assert (set_to["intra"], set_to["inter"]) == threads
+    assert set_to.get("spinning", True) == (cpus >= 1)  # a fraction of a core: idle pool threads do not spin

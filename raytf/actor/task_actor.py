@@ -212,8 +212,37 @@ def _configure_process(tf, task: Task, spec) -> None:
     # over them. Two inter-op threads at least: a collective op blocks its thread while it waits for peers.
     cluster = spec.cluster
     cpus = {"ps": cluster.cpus_per_ps, "chief": cluster.cpus_per_chief}.get(task.role, cluster.cpus_per_worker)
-    tf.config.threading.set_intra_op_parallelism_threads(max(1, int(cpus)))
-    tf.config.threading.set_inter_op_parallelism_threads(max(2, int(cpus)))
+    intra, inter, spinning = thread_pools(cpus)
+    tf.config.threading.set_intra_op_parallelism_threads(intra)
+    tf.config.threading.set_inter_op_parallelism_threads(inter)
+    if not spinning:
+        _disable_thread_spinning()
+
+
+def thread_pools(cpus: float) -> tuple[int, int, bool]:
+    """(intra-op threads, inter-op threads, whether idle pool threads may spin) for a task reserving `cpus`.
+    A task on a fraction of a CPU shares its core: a pool thread spinning for its next op burns the time its
+    neighbours need (three 0.5-CPU processes on 2 cores: 0.96x the CPU per step without spinning,
+    benchmarks/bench_fractional_threads.py)."""
+    return max(1, int(cpus)), max(2, int(cpus)), cpus >= 1
+
+
+def _disable_thread_spinning() -> None:
+    """Turn off TensorFlow's thread spinning for this process (ConfigProto.experimental.disable_thread_spinning).
+    TF 2.21 has no public setter for an eager context's ConfigProto: set it on the context before its runtime
+    starts (the strategy's server takes the context's config from it). Best effort: if that private field
+    moves, the pools spin as by default."""
+    from tensorflow.core.protobuf import config_pb2
+    from tensorflow.python.eager import context
+
+    ctx = context.context()
+    if getattr(ctx, "_initialized", True) or not hasattr(ctx, "_config"):
+        return
+    config = config_pb2.ConfigProto()
+    if ctx._config is not None:
+        config.CopyFrom(ctx._config)
+    config.experimental.disable_thread_spinning = True
+    ctx._config = config
 
 
 def _name_this_actor(name: str) -> None:
