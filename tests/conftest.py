@@ -163,7 +163,12 @@ def cluster(s3):
     OwnRuntimeResources = _own_runtime_resources_cluster()
     mlflow_server.start_in_background()  # ~8 s of start-up, while Ray starts; the tests that track wait for it
     os.environ["RAY_metrics_report_interval_ms"] = "1000"  # a recorded value in the endpoint within 1 s, not 10
-    c = OwnRuntimeResources(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
+    from tests.ray_head import free_port
+
+    # The head's dashboard and its agent on free ports: Ray's defaults (8265, 52365) are fixed, not retried, and
+    # the other xdist worker's cluster may hold them (a head without its dashboard answers no state API call)
+    c = OwnRuntimeResources(initialize_head=True, head_node_args={
+        "num_cpus": 1, "num_gpus": 0, "dashboard_port": free_port(), "dashboard_agent_listen_port": free_port()})
     gpu_nodes = [c.add_node(num_cpus=1, num_gpus=2) for _ in range(2)]
     c.wait_for_nodes()
     ray.init(address=c.address)
