@@ -11,9 +11,10 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 
-# Two pytest-xdist workers (pyproject's addopts): each gets a temp folder of its own before anything reads it, so
-# the Ray clusters it starts (Ray keeps its sessions and its "current cluster" file there), the tasks' scratch
-# folders and the leak checks that read them (task_files_in_temp_dir) never meet the other worker's.
+# Two pytest-xdist workers (pyproject's addopts), each taking the next test as it frees up: each gets a temp folder
+# of its own before anything reads it, so the Ray clusters it starts (Ray keeps its sessions and its "current
+# cluster" file there), the tasks' scratch folders and the leak checks that read them (task_files_in_temp_dir)
+# never meet the other worker's. Each worker makes the session's fixtures (its own 3-node cluster) once.
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if _WORKER:
     _worker_tmp = os.path.join("/tmp", f"raytf-tests-{_WORKER}")
@@ -53,21 +54,10 @@ def tier_of(module: str, cluster: bool) -> list[str]:
     return ["tf"] if module in TF_MODULES else ["pure"]
 
 
-# The modules the second worker runs (the first runs the rest): those that mostly wait (their own Ray heads, hosts
-# in namespaces, stores that do not answer) and the console-script ones, beside the first worker's cluster jobs,
-# which keep the cores busy. Measured side by side: 3 waiting modules beside 3 cluster modules took 349 s against
-# 510 s one after the other (docs/concepts/tests.md). A module stays in one worker: its fixtures are made once.
-SIDE_MODULES = {"test_multi_host.py", "test_submit.py", "test_real_code.py", "test_user_paths.py", "test_storage.py",
-                "test_storage_safety.py", "test_results_errors.py", "test_autoscale.py", "test_k8s.py",
-                "test_labels.py", "test_task_code.py", "test_images.py", "test_checkpoint_safety.py",
-                "test_tracking.py"}
-
-
 def pytest_collection_modifyitems(config, items):
     for item in items:
         for name in tier_of(item.path.name, item.get_closest_marker("cluster") is not None):
             item.add_marker(name)
-        item.add_marker(pytest.mark.xdist_group("side" if item.path.name in SIDE_MODULES else "main"))
 
 
 def _cpu_jiffies() -> tuple[int, int]:
