@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
+DIGITS = REPO / "jobs" / "data"
 
 # Two pytest-xdist workers (pyproject's addopts), each taking the next test as it frees up: each gets a temp folder
 # of its own before anything reads it, so the Ray clusters it starts (Ray keeps its sessions and its "current
@@ -20,7 +21,6 @@ if _WORKER:
     _worker_tmp = os.path.join("/tmp", f"raytf-tests-{_WORKER}")
     os.makedirs(_worker_tmp, exist_ok=True)
     os.environ["TMPDIR"] = tempfile.tempdir = _worker_tmp
-DIGITS = REPO / "jobs" / "data"
 
 MODEL_MODULE = textwrap.dedent('''
     import keras
@@ -105,12 +105,16 @@ def base_spec(**sections):
     return spec
 
 
-@pytest.fixture
-def job_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("job")
-    (folder / "tmodel.py").write_text(MODEL_MODULE)
+def fill_job_folder(folder: Path, model_module: str = MODEL_MODULE) -> Path:
+    """A job folder's model module (tmodel.py) and the digits Parquet (data/)."""
+    (folder / "tmodel.py").write_text(model_module)
     shutil.copytree(DIGITS, folder / "data", ignore=shutil.ignore_patterns("*.py"))
     return folder
+
+
+@pytest.fixture
+def job_dir(tmp_path_factory):
+    return fill_job_folder(tmp_path_factory.mktemp("job"))
 
 
 def write_job(folder: Path, spec: dict, name: str = "job.yaml") -> Path:

@@ -3,7 +3,6 @@ through raytf's loop; a label whose shape disagrees with the loss (or the model'
 naming the label's shape and the loss that fits; the reported loss is Keras's (the model's own losses in)."""
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -19,7 +18,7 @@ from raytf.actor import shard_reader
 from raytf.errors import SpecError
 from raytf.job import load
 from raytf.labels import check_label_shape, loss_key
-from tests.conftest import DIGITS, MODEL_MODULE, base_spec, write_job
+from tests.conftest import DIGITS, MODEL_MODULE, base_spec, fill_job_folder, write_job
 
 
 def one_hot_digits(folder, split: str, integer: bool = False) -> str:
@@ -51,10 +50,14 @@ def regression_digits(folder, split: str) -> str:
 @pytest.fixture
 def labelled(job_dir):
     """The job folder with one-hot and regression variants of the digits beside the originals."""
+    return add_label_variants(job_dir)
+
+
+def add_label_variants(folder):
     for split in ("train", "test"):
-        one_hot_digits(job_dir / "data", split)
-        regression_digits(job_dir / "data", split)
-    return job_dir
+        one_hot_digits(folder / "data", split)
+        regression_digits(folder / "data", split)
+    return folder
 
 
 def one_hot_spec(**sections):
@@ -319,13 +322,8 @@ def replica_runs(tmp_path_factory):
     """The 2-replica outcomes the tests below read, run in one TensorFlow process (its start is most of each):
     the digits with class ids and with one-hot labels (2 epochs each), a 3-output regression (3 epochs), and one
     step of an L2-regularized model with 1, then 2 micro-batches per replica."""
-    folder = tmp_path_factory.mktemp("labels")
-    (folder / "tmodel.py").write_text(MODEL_MODULE + REGRESSOR)
+    folder = add_label_variants(fill_job_folder(tmp_path_factory.mktemp("labels"), MODEL_MODULE + REGRESSOR))
     (folder / "treg.py").write_text(REGULARIZED)
-    shutil.copytree(DIGITS, folder / "data", ignore=shutil.ignore_patterns("*.py"))
-    for split in ("train", "test"):
-        one_hot_digits(folder / "data", split)
-        regression_digits(folder / "data", split)
     ids = one_hot_spec(loss={"name": "sparse_categorical_crossentropy", "from_logits": True})
     ids["data"]["label"] = "label"  # the same files (so the same row groups, so the same order): the class ids
     regression = base_spec(data={"train": "data/regression-train.parquet",
