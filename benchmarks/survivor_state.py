@@ -2,7 +2,9 @@
 lost: a restart from a survivor's memory instead of the last checkpoint). Two worker processes on localhost, no Ray:
 a Keras 3 model with BatchNormalization, Adam, a custom `strategy.run` step; rank 1 exits hard before step
 KILL_AT. Rank 0 reports how its failing step ended, how long reading every variable and writing a
-tf.train.Checkpoint of them takes (no collective), and `optimizer.iterations` against the steps it completed.
+tf.train.Checkpoint of them takes (no collective), `optimizer.iterations` and a sum added after each step (as
+raytf's metric sums are) against the steps it completed, and whether its weights are those of before the failed
+step (raytf.actor.rescue relies on all three).
 
     python benchmarks/survivor_state.py
 """
@@ -33,6 +35,8 @@ with strategy.scope():
 rng = np.random.RandomState(rank)
 x, y = rng.rand(32, 64).astype("float32"), rng.randint(0, 10, 32)
 
+counter = tf.Variable(0.0)  # a local sum added after each step, as raytf's metric sums are
+
 @tf.function
 def step():
     def replica(x, y):
@@ -40,12 +44,14 @@ def step():
             logits = model(x, training=True)
             loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True))
         opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-    strategy.run(replica, args=(x, y))
+        return tf.constant(1.0)
+    counter.assign_add(tf.add_n(list(strategy.experimental_local_results(strategy.run(replica, args=(x, y))))))
 
 done = 0
 for i in range(10 * KILL_AT):
     if rank == 1 and i == KILL_AT:
         os._exit(1)
+    before = [v.numpy() for v in model.trainable_variables]
     try:
         step()
         done += 1
@@ -57,7 +63,9 @@ for i in range(10 * KILL_AT):
         tf.train.Checkpoint(model=model, optimizer=opt).write(os.path.join(out, "state"))
         write_s = time.perf_counter() - t
         print(json.dumps({"error": type(exc).__name__, "steps_done": done, "iterations": int(opt.iterations.numpy()),
-                          "arrays": len(arrays), "finite": bool(all(np.isfinite(a).all() for a in arrays)),
+                          "arrays": len(arrays), "finite": bool(all(np.isfinite(a).all() for a in arrays)), "counter": float(counter.numpy()),
+                          "weights_as_before_the_failed_step": all(np.array_equal(a, v.numpy())
+                                                                   for a, v in zip(before, model.trainable_variables)),
                           "read_s": round(read_s, 4), "checkpoint_write_s": round(write_s, 4)}), flush=True)
         break
 '''.replace("KILL_AT", str(KILL_AT))

@@ -41,6 +41,7 @@ class Script:
     epoch_s: float | None = None  # an epoch's metrics in its progress every this many seconds
     work_per_s: float = 0.0  # a parameter-server chief's train_fn: functions its workers finished, per second
     outcome: dict[str, Any] = dataclasses.field(default_factory=dict)  # Outcome fields to set
+    rescue_step: int | None = None  # the step whose state it keeps when a peer dies (raytf.actor.rescue)
 
 
 def actor_died() -> TaskError:
@@ -204,6 +205,20 @@ class FakeGroup:
                 out.append(StopAnswer(accepted, done))
         return out
 
+    def abort_collectives(self, ranks: list[int]) -> None:
+        self.world.aborted.append(list(ranks))
+
+    def rescue_points(self, ranks: list[int], timeout_s: float) -> list[int | None]:
+        by_rank = {h.rank: h for h in self.handles}
+        return [by_rank[r].script.rescue_step if r in by_rank else None for r in ranks]
+
+    def upload_rescue(self, rank: int, timeout_s: float) -> str | None:
+        step = next(h.script.rescue_step for h in self.handles if h.rank == rank)
+        self.world.rescue_uploads.append((rank, step))
+        if self.world.on_checkpoint is not None:
+            self.world.on_checkpoint(step)
+        return f"ckpt-{step:012d}"
+
     def replace(self, task, payload, timeout_s: float) -> _Handle:
         handle = _Handle(task.rank, self.world.replacement(task), self.clock.now())
         self.world.replaced.append(task.rank)
@@ -237,6 +252,8 @@ class FakeResources:
         self.probes: list[int] = []  # bundles asked for, per can_place
         self.refuse_stop: set[int] = set()  # ranks that answer a stop request as already past the step
         self.on_checkpoint: Callable[[int], None] | None = None  # the chief's checkpoint-now, at this step
+        self.aborted: list[list[int]] = []  # the ranks whose collectives were failed, per death (raytf.driver.rescue)
+        self.rescue_uploads: list[tuple[int, int]] = []  # (rank, step) of each survivor's state uploaded
         self.keep_processes = False  # a sweep's trial process (raytf.actor.reuse): a succeeded group is kept
         self.kept: tuple | None = None
         self.kept_fails_setup: str | None = None

@@ -214,6 +214,36 @@ def test_a_dead_actor_does_not_wait_for_its_peers(tmp_path):
     assert restart["time"] == world.groups[0].handles[1].started + 3.0
 
 
+def test_a_dead_actor_is_answered_from_the_survivor_that_got_furthest_and_loses_no_step(tmp_path):
+    """Rank 2 dies at step 30: the survivors' collectives are failed at once, each keeps its state on the way out
+    (rank 0 at step 29, rank 1 at 30: it finished the step the other did not), and rank 1's is uploaded as the
+    newest checkpoint; the restart resumes there, its record says so, and no step is lost. Without a
+    checkpoint.dir there is nowhere to put it: nobody is asked."""
+    def script(attempt, task):
+        if attempt == 1 and task.rank == 2:
+            return Script(fail_after=3.0, error=actor_died())
+        if attempt == 1:
+            return Script(fail_after=3.2, error=collective_error(), rescue_step=29 + task.rank)
+        return Script(finish_after=5.0)
+
+    sections = dict(cluster={"workers": 3, "cpus_per_worker": 0.5}, train={"global_batch_size": 63},
+                    failure={"max_restarts": 1})
+    c, world, clock = make(tmp_path, script, make_job(tmp_path, **sections,
+                                                      checkpoint={"dir": str(tmp_path / "ckpt"), "every_steps": 50}))
+    _checkpoints(tmp_path, [10])
+    world.on_checkpoint = lambda step: _checkpoints(tmp_path, [step]) and None
+    result = run_fast(c)
+    assert result.status == "succeeded" and world.aborted == [[0, 1]] and world.rescue_uploads == [(1, 30)]
+    restart = result.restarts[0]
+    assert restart["kind"] == "actor_died" and restart["ranks"] == [2] and restart["state_from"] == "rank 1"
+    assert restart["resumed_from_step"] == 30 and restart["last_step"] == 30 and restart["steps_lost"] == 0
+    assert world.payloads[1].resume_from.step == 30
+
+    c, world, clock = make(tmp_path / "x", script, make_job(tmp_path / "x", **sections))
+    result = run_fast(c)
+    assert world.aborted == [] and world.rescue_uploads == [] and "state_from" not in result.restarts[0]
+
+
 def test_ranks_that_die_together_are_all_named(tmp_path):
     """A node with two ranks goes away: both deaths arrive in one poll, and both ranks are named."""
     def script(attempt, task):

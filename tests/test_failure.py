@@ -217,3 +217,13 @@ def test_a_hang_report_never_overwrites_an_earlier_one_and_a_new_run_moves_them_
     assert (first, again) == ("hangs/attempt-1", "hangs/attempt-1-1")
     assert (tmp_path / first / "rank-0.txt").read_text().startswith("rank 0 (chief): first")
     assert "hangs" in RESULTS  # an earlier run's reports go to earlier-runs/ with its other results
+
+
+def test_the_survivor_that_got_furthest_is_rescued_and_none_that_is_no_further_than_the_last_checkpoint():
+    from raytf.driver.rescue import best
+
+    assert best({0: 29, 1: 30, 2: None}, after_step=10) == (1, 30)  # the furthest
+    assert best({0: 30, 1: 30}, after_step=10) == (0, 30)  # the lowest rank among equals
+    assert best({0: 10, 1: None}, after_step=10) is None  # no further than the newest checkpoint
+    assert best({}, after_step=0) is None
+

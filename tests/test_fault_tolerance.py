@@ -59,9 +59,12 @@ def prometheus_server(cluster):
         yield server
 
 
-def test_a_killed_worker_costs_one_restart_and_the_run_ends_where_it_would_have(cluster, job_dir, uninterrupted,
-                                                                                prometheus_server):
-    """...and Prometheus sees it (each node's metrics endpoint, Ray's metrics API): each rank's step count
+def test_a_killed_worker_costs_one_restart_and_no_step_and_the_run_ends_where_it_would_have(cluster, job_dir,
+                                                                                            uninterrupted,
+                                                                                            prometheus_server):
+    """Rank 1 is killed mid-epoch, between checkpoints: the survivor keeps its state at the last step both
+    finished, the restart resumes there (0 steps lost, every row of the epoch counted once), the workers end with
+    one set of weights. And Prometheus sees it (each node's metrics endpoint, Ray's metrics API): each rank's step count
     grows while it trains, each process counts the steps it ran, and the driver counts one restart. A real
     Prometheus scraping the nodes answers every query of the Grafana dashboard during and after the run, the
     job state without a gap (tests/prometheus.py's check_dashboard)."""
@@ -90,17 +93,19 @@ def test_a_killed_worker_costs_one_restart_and_the_run_ends_where_it_would_have(
     assert len(result.restarts) == 1
     restart = result.restarts[0]
     assert restart["kind"] == "actor_died" and restart["ranks"] == [1] and "actor died" in restart["reason"]
-    assert restart["resumed_from_step"] in (120, 80)  # the latest checkpoint before the kill
-    assert restart["resumed_from_step"] <= 130
+    # not the checkpoint at step 120: the survivor's state, from the last step both ranks finished
+    assert restart["state_from"] == "rank 0" and restart["steps_lost"] == 0, restart
+    assert 130 <= restart["resumed_from_step"] == restart["last_step"] < 160, restart
     assert restart["standby"] == 2  # both warm processes were promoted: no new process had to import TF
     planned = 4 * STEPS_PER_EPOCH
     assert [t["steps"] for t in result.tasks] == [planned, planned]
     assert [t["optimizer_steps"] for t in result.tasks] == [planned, planned]  # optimizer state came back too
+    assert len({t["weights_digest"] for t in result.tasks}) == 1
     assert len(result.history) == 4 and [h["epoch"] for h in result.history] == [1, 2, 3, 4]
     final, expected = result.history[-1]["loss"], baseline.history[-1]["loss"]
     assert abs(final - expected) <= 0.1 * expected + 0.01, (final, expected)
-    # The epoch the kill interrupted reports over all its rows, not just those after the resume: its
-    # metric sums so far were saved in the mid-epoch checkpoint.
+    # The epoch the kill interrupted reports over all its rows, each once, not just those after the resume: its
+    # metric sums so far were kept with the survivor's state (its own, times the workers).
     assert [h["examples"] for h in result.history] == [STEPS_PER_EPOCH * 16] * 4
     for resumed, uninterrupted in zip(result.history, baseline.history):
         assert resumed["loss"] == pytest.approx(uninterrupted["loss"], rel=0.05, abs=0.01)

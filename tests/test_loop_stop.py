@@ -30,6 +30,7 @@ class RecordingRunner:
     optimizer = None
     validates = True
     own_timing = True
+    rescuable = False
     train_acc = eval_acc = Sums()
 
     def __init__(self, during_validation=None):
@@ -144,3 +145,16 @@ def test_the_step_rate_a_stop_step_is_planned_with_leaves_out_validation_and_che
     assert ctx.channel.progress().steps_per_s == pytest.approx(10.0, rel=0.05)
     steps(24, 20)
     assert ctx.channel.progress().steps_per_s == pytest.approx(10.0, rel=0.05)
+
+
+def test_a_rescued_epochs_sums_are_one_ranks_times_the_workers_plus_what_was_restored():
+    import numpy as np
+
+    from raytf.actor.rescue import estimated_totals
+
+    # no resume in this epoch: rank 1 added (2 loss, 8 rows) of 3 workers' steps
+    assert estimated_totals(np.array([2.0, 8.0]), None, None, 3).tolist() == [6.0, 24.0]
+    # a resumed epoch: 100 rows restored (global); the chief's accumulator began with them, a worker's at zero
+    restored = np.array([10.0, 100.0])
+    assert estimated_totals(np.array([12.0, 108.0]), restored, restored, 2).tolist() == [14.0, 116.0]
+    assert estimated_totals(np.array([2.0, 8.0]), None, restored, 2).tolist() == [14.0, 116.0]

@@ -69,6 +69,7 @@ class TaskContext:
         self.state_sync: Callable[[Any], None] | None = None  # makes replicas' non-trainable state agree
         # what a train_fn did
         self.history: list[dict[str, Any]] = []
+        self.rescue = None  # raytf's loop: this task's state when a peer died (raytf.actor.rescue), for the driver
         self.global_step = 0
         self.restored_step = 0  # the step a train_fn's checkpoint restored
         self.saved_model = None

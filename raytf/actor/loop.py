@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, Protocol
 import numpy as np
 import tensorflow as tf
 
+from raytf.actor import rescue as rescue_lib
 from raytf.actor import schedules
 from raytf.actor import steps as steps_lib
 from raytf.actor.context import TaskContext, check_loss
@@ -38,6 +39,7 @@ class Runner(Protocol):
     state: tf.train.Checkpoint  # what a checkpoint holds
     validates: bool  # whether each epoch ends with a pass over the validation rows here
     own_timing: bool  # whether timing()'s "worker-<rank>" is this task's own steps (not a coordinator's view)
+    rescuable: bool  # whether this task holds the whole state, so a peer's death can be rescued (raytf.actor.rescue)
 
     def start_epoch(self, epoch: int, totals: np.ndarray | None) -> None: ...  # totals: restored sums
     # runs up to `count` steps, yielding each loss (or None); no new step once `stopping()` is true
@@ -69,18 +71,30 @@ def run(runner: Runner, payload: WorkerPayload, ctx: TaskContext) -> Outcome:
     position = checkpoints.restore()
     writer = steps_lib.summary_writer(ctx) if ctx.is_chief and spec.output.tensorboard else None
     history = list(position.history)
-    global_step = position.global_step
-    every_kind, every = spec.checkpoint.interval
     trace = StepTrace(spec.output.profile, ctx)
     timing = TimingEvents(ctx) if spec.output.tensorboard else None
     ctx.channel.start_at(position.global_step)
     if runner.own_timing:  # for output.metrics (the ps chief's timing holds every worker's, not its own)
         ctx.channel.timing_source = lambda: runner.timing().get(f"worker-{ctx.rank}")
+    rescue = Rescuer(runner, checkpoints, ctx, position)
+    try:
+        return _epochs(runner, spec, ctx, checkpoints, position, writer, history, trace, timing, rescue)
+    except rescue_lib.PEER_LOST:  # a peer is gone: keep this task's state for the restart, then fail as before
+        rescue.take(history)
+        raise
+
+
+def _epochs(runner: Runner, spec, ctx: TaskContext, checkpoints: "Checkpoints", position: Position, writer, history: list,
+            trace: "StepTrace", timing: "TimingEvents | None", rescue: "Rescuer") -> Outcome:
+    global_step = position.global_step
+    every_kind, every = spec.checkpoint.interval
     for epoch in range(position.epoch, spec.train.epochs + 1):
         started = time.time()
         resuming = epoch == position.epoch and position.step_in_epoch > 0
-        runner.start_epoch(epoch, np.asarray(position.totals, np.float64) if resuming and position.totals else None)
+        totals = np.asarray(position.totals, np.float64) if resuming and position.totals else None
+        runner.start_epoch(epoch, totals)
         step = position.step_in_epoch if epoch == position.epoch else 0
+        rescue.start_epoch(epoch, step, totals)
         while step < runner.steps:
             stop = runner.steps  # the next checkpoint, or the epoch's end
             if every_kind == "steps":
@@ -89,6 +103,7 @@ def run(runner: Runner, payload: WorkerPayload, ctx: TaskContext) -> Outcome:
             for loss in runner.train(stop - step, epoch, stopping=lambda: ctx.channel.stop_due(global_step)):
                 step += 1
                 global_step += 1
+                rescue.at = (epoch, step, global_step)
                 trace.after(global_step)
                 if loss is not None:
                     ctx.channel.train_step(epoch, step, runner.steps, global_step, loss, spec.train.effective_batch_size)
@@ -153,6 +168,46 @@ def stopped(runner: Runner, checkpoints: "Checkpoints", ctx: TaskContext, global
                    history=history, steps=global_step, steps_run=global_step - position.global_step)
 
 
+class Rescuer:
+    """What raytf.actor.rescue needs to keep this task's state when a peer dies (`take`): where the loop stands
+    (`at`: epoch, steps of it done, global step, set after every step) and how the epoch's sums began. Only a
+    runner that holds the whole state (MultiWorkerMirrored's), with a checkpoint.dir to upload it to."""
+
+    def __init__(self, runner: Runner, checkpoints: "Checkpoints", ctx: TaskContext, position: Position):
+        self.runner, self.checkpoints, self.ctx = runner, checkpoints, ctx
+        self.enabled = runner.rescuable and checkpoints.enabled
+        self.at = (position.epoch, position.step_in_epoch, position.global_step)
+        # the optimizer's step count at the attempt's first step (a rescue sets it back to the steps done)
+        self.first = (position.global_step, int(runner.optimizer.iterations.numpy()) if self.enabled else 0)
+        self.epoch_base = self.local_base = None
+
+    def start_epoch(self, epoch: int, step: int, totals) -> None:
+        self.at = (epoch, step, self.at[2])
+        self.epoch_base = totals
+        self.local_base = totals if self.ctx.is_chief else None  # the chief's accumulator starts from them
+
+    def take(self, history: list) -> None:
+        """The state at the last step every worker finished, kept in the task (ctx.rescue) for the driver; none
+        when it is no further than the newest checkpoint. Never raises: the peer's loss stays the error."""
+        if not self.enabled or self.at[2] <= self.checkpoints.saved_step:
+            return
+        try:
+            local = self.runner.train_acc.total.numpy()
+            # The failed step ran what waits for no peer (its forward pass, the optimizer's step count, its metric
+            # sums) but updated no variable (its all-reduce failed): its sums are taken back (measured:
+            # benchmarks/survivor_state.py).
+            if int(self.runner.optimizer.iterations.numpy()) > self.first[1] + self.at[2] - self.first[0]:
+                local = local - self.runner.train_acc.last.numpy()
+            totals = rescue_lib.estimated_totals(local, self.local_base, self.epoch_base, self.ctx.world_size)
+            self.ctx.rescue = rescue_lib.take(self.runner.state, self.runner.optimizer, self.at, self.first, history,
+                                              totals, self.ctx.world_size, self.runner.checkpoint_extras,
+                                              self.checkpoints.payload.checkpoint_dir,
+                                              self.checkpoints.payload.spec.checkpoint.keep)
+        except Exception as exc:  # noqa: BLE001 -- the restart falls back to the last checkpoint
+            print(f"raytf: rank {self.ctx.rank} could not keep its state for the restart ({exc!r}); the last "
+                  f"checkpoint is used", flush=True)
+
+
 class TimingEvents:
     """Each worker's input wait and step time per epoch as TensorBoard scalars, in a run per worker
     (tensorboard/timing/worker-<i>/), so TensorBoard draws the workers over each other. Written by the
@@ -215,6 +270,7 @@ class Checkpoints:
     def __init__(self, runner: Runner, payload: WorkerPayload, ctx: TaskContext):
         self.runner, self.payload, self.ctx = runner, payload, ctx
         self.storage = Storage(payload.checkpoint_dir) if payload.checkpoint_dir else None
+        self.saved_step = payload.resume_from.step if payload.resume_from else 0  # the newest this task knows
 
     @property
     def enabled(self) -> bool:
@@ -245,6 +301,7 @@ class Checkpoints:
 
         write_state(self.runner.state, self.storage, self.ctx, self.payload.spec.checkpoint.keep, meta,
                     self.runner.checkpoint_options())
+        self.saved_step = global_step
 
 
 def read_state(state: tf.train.Checkpoint, resume: CheckpointInfo, location: str, ctx: TaskContext,

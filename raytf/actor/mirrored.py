@@ -64,6 +64,7 @@ class MirroredRunner:
     all-reduced when the loop asks for the epoch's sums (at its end, and at a mid-epoch checkpoint)."""
 
     own_timing = True  # raytf.actor.loop.Runner
+    rescuable = True  # every worker holds the whole state (raytf.actor.rescue)
 
     def __init__(self, strategy: tf.distribute.Strategy, payload: WorkerPayload, ctx: TaskContext):
         spec = payload.spec

@@ -128,6 +128,7 @@ class ParameterServerRunner:
     """raytf's loop on the chief: steps scheduled with ClusterCoordinator onto whichever worker is free,
     their metric deltas fetched in order (the progress, and the epoch's sums); validation on the chief."""
 
+    rescuable = False  # the variables live on the parameter servers, not here
     own_timing = False  # raytf.actor.loop.Runner
 
     def __init__(self, payload: WorkerPayload, ctx: TaskContext):

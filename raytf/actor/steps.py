@@ -160,6 +160,7 @@ class Accumulator:
         self.sizes = [int(s.num_elements()) for s, _ in self._shapes]
         with tf.init_scope():
             self.total = tf.Variable(tf.zeros([sum(self.sizes)], tf.float64), trainable=False)
+            self.last = tf.Variable(tf.zeros([sum(self.sizes)], tf.float64), trainable=False)  # the last step's
 
     def zero_deltas(self) -> list[list[tf.Tensor]]:
         return [[tf.zeros(v.shape, v.dtype) for v in m.variables] for m in self.metrics.values()]
@@ -410,6 +411,7 @@ def make_step_functions(strategy: tf.distribute.Strategy, model: keras.Model, op
         deltas = strategy.experimental_local_results(strategy.run(train_replica, args=batch))
         step = tf.add_n(list(deltas))
         train_acc.total.assign_add(step)
+        train_acc.last.assign(step)  # a step whose all-reduce failed may have added it: a rescue takes it back
         if timing:  # done once every variable is updated: after the all-reduce (waiting for peers included)
             timing.record(began, fed, [step, *(tf.identity(v.value) for v in variables)])
         return step[0] / tf.maximum(step[1], 1.0)

@@ -187,6 +187,25 @@ class TaskActor:
             return StopAnswer(False, 0)
         return self._channel.request_stop(step)
 
+    def rescue_point(self) -> int | None:
+        """The global step of the state this task kept when a peer died (raytf.actor.rescue); None: none kept."""
+        rescue = self._ctx.rescue if self._ctx is not None else None
+        return rescue.step if rescue is not None else None
+
+    def upload_rescue(self) -> str:
+        """Upload the state kept when a peer died to checkpoint.dir, as its newest checkpoint; returns its path."""
+        return self._ctx.rescue.upload()
+
+    def abort_collectives(self) -> None:
+        """A peer's actor died: fail this task's collectives now (its step then keeps its state, raytf.actor.rescue)
+        rather than when cluster.collective_timeout_s ends them, or never (a peer whose node went silent)."""
+        if self._ctx is None:
+            return
+        import tensorflow as tf
+        from tensorflow.python.eager import context
+
+        context.context().abort_collective_ops(tf.errors.UNAVAILABLE, "a peer's actor died")
+
     def progress(self) -> Progress:
         return self._channel.progress() if self._channel else Progress(updated=time.time())
 

@@ -36,6 +36,7 @@ class Backend:
     reuses_processes: bool = False  # a sweep's next trial may run in a finished trial's processes
     synchronous_steps: bool = False  # every step waits for every worker (an all-reduce)
     replicated_variables: bool = False  # every replica holds a copy of each variable, kept in sync
+    rescues_peers: bool = False  # raytf's loop: a task's death is answered from a survivor's state (raytf.driver.rescue)
     # For a train_fn that calls Keras 3's `.fit()`: why it cannot run under this strategy, and what a loop
     # of the user's own calls to run a step.
     keras3_fit_problem: str = ""

@@ -26,6 +26,7 @@ class Mirrored(Backend):
     reuses_processes = True  # TF re-forms a collective group in its processes with the same cluster (raytf.actor.reuse)
     synchronous_steps = True
     replicated_variables = True
+    rescues_peers = True  # every worker holds the whole state: a survivor's is the restart's (raytf.actor.rescue)
     keras3_fit_problem = "Keras 3's model.fit fails under MultiWorkerMirroredStrategy on TensorFlow 2.21"
     own_step_call = "strategy.run"
     # A worker that dies leaves its peers hanging in a collective: any failure ends the attempt.

@@ -17,9 +17,8 @@ from typing import Any, Callable, Sequence
 
 from raytf import backends
 from raytf.checkpoint import UNLISTED, Storage
-from raytf.driver import failure as failure_lib
 from raytf.driver import hangs
-from raytf.driver import result_record
+from raytf.driver import result_record, task_failure
 from raytf.driver.attempt import Attempt, EpochFeed, Rate, Replacement, build_payload
 from raytf.driver.callbacks import Callback
 from raytf.driver.drain import DrainWatch
@@ -27,7 +26,7 @@ from raytf.driver.failure import Failure
 from raytf.driver.group import Finished, Resources, TaskError, WorkerGroup
 from raytf.driver.packaging import runtime_env, upload_code
 from raytf.driver.policy import (Heard, Limits, ReplacementPolicy, RestartPolicy, ScalingPolicy, elastic_batch, heard,
-                                 hung_ranks, peer_grace_s, spec_for_workers)
+                                 hung_ranks, spec_for_workers)
 from raytf.driver.report import ProgressDisplay, Result
 from raytf.errors import PlacementTimeout, PortTaken, TrainingFailed, WorkerStartupError
 from raytf.job import Job
@@ -366,22 +365,12 @@ class Controller:
         return True
 
     def _fatal(self, task: Task, error: TaskError, with_it: list[Finished]) -> None:
-        """Collect the errors of the other tasks whose failure is fatal (often broken collectives, as a
-        consequence): those that returned with this one, those that fail within the grace (none is
-        waited for when an actor died: its peers would only time out), then fail the attempt with the
-        aggregate: root cause first, identical errors grouped by rank."""
-        a = self.attempt
-        fatal = lambda handle: self.backend.supervision[a.task_of[handle].role].on_failure == "fatal"  # noqa: E731
-        rank_of = lambda handle: a.task_of[handle].rank  # noqa: E731
-        errors = [failure_lib.rank_error(task.rank, error)]
-        errors += [failure_lib.rank_error(rank_of(f.handle), f.error) for f in with_it if f.error and fatal(f.handle)]
-        seen = {f.handle for f in with_it}
-        pending = [h for h in a.awaited + a.side if h not in seen and fatal(h)]
-        errors += failure_lib.errors_within(pending, a.group.wait, rank_of, self.clock,
-                                            peer_grace_s(errors[0].kind, self.limits))
-        failure = failure_lib.aggregate(errors)
-        failure = dataclasses.replace(failure, message=self.backend.failed_task(task) + failure.message)
-        self._attempt_failed(failure, sorted({a.tasks[r].node_ip for r in failure.ranks}) or [task.node_ip])
+        """The attempt ends for a task's fatal error: with its peers' errors, and a survivor's state where the
+        task died (raytf.driver.task_failure)."""
+        rescuing = self.backend.rescues_peers and self.spec.train_fn is None and self.storage is not None
+        failure = task_failure.attempt_failure(self.attempt, task, error, with_it, self.backend, self.clock,
+                                               self.limits, rescuing, self.display.message)
+        self._attempt_failed(failure, sorted({self.attempt.tasks[r].node_ip for r in failure.ranks}) or [task.node_ip])
 
     def _attempt_failed(self, failure: Failure, nodes: list[str] | None = None) -> None:
         a = self.attempt

@@ -189,10 +189,14 @@ class DrainWatch:
         notice = self.notice
         if notice is None or notice.grow_to is not None or failure.kind not in failure_lib.RESTARTABLE:
             return failure
-        message = (f"node {notice.node_ip} was draining and {failure.message}; the checkpoint-now did not "
-                   f"finish, so the job goes back to its last checkpoint")
+        rescued = failure.details.get("state_from")  # a survivor kept the state (raytf.driver.rescue)
+        message = (f"node {notice.node_ip} was draining and {failure.message}; the checkpoint-now did not finish, so "
+                   + (f"the job resumes from {rescued}'s state at step {failure.details['last_step']}" if rescued
+                      else "the job goes back to its last checkpoint"))
+        kept = {k: failure.details[k] for k in ("state_from", "last_step") if rescued}
         return Failure("preempted", message, tuple(notice.ranks), {message: notice.ranks},
-                       {**notice.details(now, None), "cause": failure.message})
+                       {**notice.details(now, failure.details["last_step"] if rescued else None),
+                        "cause": failure.message, **kept})
 
     @property
     def node_ips(self) -> list[str]:

@@ -215,6 +215,23 @@ class RayWorkerGroup:
     def stop_at(self, ranks: list[int], step: int, timeout_s: float) -> list[StopAnswer | None]:
         return answers([self._by_rank[r].stop_at.remote(step) for r in ranks], timeout_s)
 
+    def abort_collectives(self, ranks: list[int]) -> None:
+        """A peer died: fail these ranks' collectives now (not answered: they may be busy; the wait is for
+        their train calls)."""
+        for rank in ranks:
+            try:
+                self._by_rank[rank].abort_collectives.remote()
+            except Exception:  # already gone
+                pass
+
+    def rescue_points(self, ranks: list[int], timeout_s: float) -> list[int | None]:
+        """The step of the state each rank kept when a peer died; None: none kept, or no answer in time."""
+        return answers([self._by_rank[r].rescue_point.remote() for r in ranks], timeout_s)
+
+    def upload_rescue(self, rank: int, timeout_s: float) -> str | None:
+        """Rank `rank` uploads the state it kept to checkpoint.dir; its path, or None (failed, or not in time)."""
+        return answers([self._by_rank[rank].upload_rescue.remote()], timeout_s)[0]
+
     def stop(self) -> None:
         with self._lock:
             self._stopped = True

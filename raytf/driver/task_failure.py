@@ -1,0 +1,49 @@
+"""What ends an attempt when a task fails fatally: the errors of its peers, collected as they follow (often broken
+collectives, as a consequence), root cause first; and where the task died, a survivor's state saved as the newest
+checkpoint (raytf.driver.rescue), so the restart loses no step.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from raytf.driver import failure as failure_lib
+from raytf.driver import rescue
+from raytf.driver.failure import Failure
+from raytf.driver.group import Finished, TaskError
+from raytf.driver.policy import Limits, peer_grace_s
+from raytf.rendezvous import Task
+
+
+def attempt_failure(a, task: Task, error: TaskError, with_it: list[Finished], backend, clock, limits: Limits,
+                    rescuing: bool, note: Callable[[str], None]) -> Failure:
+    """The failure of attempt `a` (raytf.driver.attempt.Attempt) after `task` failed with `error` (`with_it`: the
+    others that returned in the same poll): the errors of the other tasks whose failure is fatal, those that
+    returned with it and those that fail within the grace (none is waited for when an actor died: its peers
+    would only time out), aggregated. `rescuing`: a death is answered from a survivor's state (the survivors'
+    collectives are failed at once, and their errors collected within Limits.rescue_wait_s)."""
+    fatal = lambda handle: backend.supervision[a.task_of[handle].role].on_failure == "fatal"  # noqa: E731
+    rank_of = lambda handle: a.task_of[handle].rank  # noqa: E731
+    errors = [failure_lib.rank_error(task.rank, error)]
+    errors += [failure_lib.rank_error(rank_of(f.handle), f.error) for f in with_it if f.error and fatal(f.handle)]
+    seen = {f.handle for f in with_it}
+    pending = [h for h in a.awaited + a.side if h not in seen and fatal(h)]
+    rescuing = rescuing and errors[0].kind == "actor_died"
+    if rescuing:
+        errors += rescue.collect(a.group, survivors(a.tasks, errors), pending, rank_of, clock, limits.rescue_wait_s)
+    else:
+        errors += failure_lib.errors_within(pending, a.group.wait, rank_of, clock, peer_grace_s(errors[0].kind, limits))
+    failure = failure_lib.aggregate(errors)
+    failure = dataclasses.replace(failure, message=backend.failed_task(task) + failure.message)
+    if rescuing:
+        saved = rescue.save(a.group, survivors(a.tasks, errors), a.payload.resume_from.step if a.payload.resume_from
+                            else 0, limits.progress_timeout_s, limits.rescue_upload_s, note)
+        if saved is not None:
+            failure.details.update(state_from=f"rank {saved.rank}", last_step=max(a.last_step, saved.step))
+    return failure
+
+
+def survivors(tasks: list[Task], errors: list[failure_lib.RankError]) -> list[int]:
+    """The ranks whose actors are alive, as far as `errors` say."""
+    dead = {e.rank for e in errors if e.kind == "actor_died"}
+    return [t.rank for t in tasks if t.rank not in dead]
