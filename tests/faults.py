@@ -145,6 +145,30 @@ class AtSteps:
             time.sleep(0.02)
 
 
+class DiesWhenAskedToStop:
+    """Makes a WorkerGroup class whose attempt `attempt` (1-based) has rank `rank`'s actor killed as soon as the
+    driver has asked the ranks to stop for a drain notice: the node goes before the stop step and its checkpoint."""
+
+    def __init__(self, rank: int, attempt: int):
+        self.rank, self.attempt, self.trains = rank, attempt, 0
+        self.killed_after: list[int] = []  # the stop step asked for when it was killed
+        dier = self
+
+        class DyingGroup(RayWorkerGroup):
+            def train(self, payload):
+                dier.trains += 1
+                return super().train(payload)
+
+            def stop_at(self, ranks, step, timeout_s):
+                answers = super().stop_at(ranks, step, timeout_s)
+                if dier.trains == dier.attempt and not dier.killed_after:
+                    ray.kill(self._by_rank[dier.rank], no_restart=True)
+                    dier.killed_after.append(step)
+                return answers
+
+        self.group_cls = DyingGroup
+
+
 def drain(node_id: str, deadline_s: float | None = None, reason: str = "PREEMPTION") -> None:
     """What `ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION [--deadline-remaining-seconds N]` (or a cloud
     autoscaler's preemption notice) does: the GCS marks the node draining; its raylet exits once idle."""

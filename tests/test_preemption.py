@@ -9,7 +9,7 @@ import ray
 from raytf.driver.controller import run
 from raytf.job import load
 from tests.conftest import REPO, assert_nothing_left, base_spec, write_job
-from tests.faults import AtSteps, drain
+from tests.faults import AtSteps, DiesWhenAskedToStop, drain
 from tests.test_parameter_server import CHIEF_CRASHED, criteo_data, ps_dir, ps_spec  # noqa: F401 (fixtures)
 from tests.test_parameter_server import STEPS_PER_EPOCH as PS_STEPS_PER_EPOCH
 
@@ -21,11 +21,11 @@ EPOCHS = 5
 
 @pytest.fixture(scope="module")
 def spot_nodes(cluster):
-    """Five 1-CPU nodes with the custom resource `spot` (what cluster.yaml's spot node type declares) and a
-    plain one; the jobs here ask for `spot`, one worker per node. Each test drains one; drained nodes exit by
-    themselves once idle, so the last test has two left, then one."""
+    """Six 1-CPU nodes with the custom resource `spot` (what cluster.yaml's spot node type declares) and a
+    plain one; the jobs here ask for `spot`, one worker per node. The first test drains two, the others one each;
+    drained nodes exit by themselves once idle, so the last test has two left, then one."""
     c, _ = cluster
-    spot = [c.add_node(num_cpus=1, resources={"spot": 1}) for _ in range(5)]
+    spot = [c.add_node(num_cpus=1, resources={"spot": 1}) for _ in range(6)]
     plain = c.add_node(num_cpus=1)
     c.wait_for_nodes()
     yield spot, plain
@@ -57,28 +57,39 @@ def node_of(rank: int, drained: list):
     return action
 
 
-def test_a_drained_node_costs_no_step_and_no_restart_budget(cluster, spot_nodes, job_dir):
-    """Deadline 30 s, rank 1's node, mid-epoch 2; before that, a node the job does not use is drained too."""
+def test_a_drained_node_costs_no_step_and_no_restart_budget_even_when_it_goes_before_its_checkpoint(
+        cluster, spot_nodes, job_dir):
+    """Deadline 30 s, rank 1's node, mid-epoch 2; before that, a node the job does not use is drained too. In the
+    next attempt rank 1's node is drained again (step 200), and its actor dies as soon as the ranks were asked to stop (before
+    the stop step and its checkpoint): the survivor's state is the restart's, and no step is lost either."""
     _, plain = spot_nodes
     drained = []
     trigger = AtSteps([(30, lambda group: drain(plain.node_id, deadline_s=30)), (120, node_of(1, drained))])
+    again = AtSteps([(200, node_of(1, drained))], attempts={2})  # in epoch 3, some steps after the resume
+    dier = DiesWhenAskedToStop(rank=1, attempt=2)
     # 8 epochs: with 5, only ~3.5 s of training followed the drain at step 120, and under load the job once ended
     # before the notice became a stop step (no restart)
     epochs = 8
-    result = run(load(write_job(job_dir, spot_spec(job_dir, train={"epochs": epochs}))), group_cls=trigger.group_cls)
+    group_cls = type("DrainTwice", (trigger.group_cls, again.group_cls, dier.group_cls), {})
+    result = run(load(write_job(job_dir, spot_spec(job_dir, train={"epochs": epochs}))), group_cls=group_cls)
 
     assert [at for at, _, _ in trigger.done] == [30, 120], "the drains did not happen while training"
-    assert result.status == "succeeded"  # max_restarts 0: the preemption was not charged
-    restart, = result.restarts  # the unused node's drain changed nothing
+    assert dier.killed_after, "the second drained node's actor was never killed"
+    assert result.status == "succeeded"  # max_restarts 0: the preemptions were not charged
+    restart, vanished = result.restarts  # the unused node's drain changed nothing
     assert restart["kind"] == "preempted" and restart["node_id"] == drained[0] and restart["ranks"] == [1]
     assert 25 <= restart["deadline_s_after_notice"] <= 30
     # every worker stopped at one step, the checkpoint was written there, the restart began there
     assert restart["step_saved"] == restart["resumed_from_step"] == restart["last_step"] > 120
     assert restart["steps_lost"] == 0 and restart["notice_to_checkpoint_s"] < 30
+    # the node went first: rank 0 kept the state at the last step both finished, short of the stop step
+    assert vanished["kind"] == "preempted" and vanished["node_id"] == drained[1] and vanished["state_from"] == "rank 0"
+    assert vanished["resumed_from_step"] == vanished["last_step"] < dier.killed_after[0], vanished
+    assert vanished["steps_lost"] == 0 and "resumes from rank 0's state" in vanished["reason"], vanished
     planned = epochs * STEPS_PER_EPOCH
     assert [t["optimizer_steps"] for t in result.tasks] == [planned, planned]  # each step trained once
     assert len({t["weights_digest"] for t in result.tasks}) == 1
-    assert drained[0] not in {t["node_id"] for t in result.tasks}
+    assert not set(drained) & {t["node_id"] for t in result.tasks}
     assert [h["epoch"] for h in result.history] == list(range(1, epochs + 1))
     assert [h["examples"] for h in result.history] == [STEPS_PER_EPOCH * 16] * epochs
     assert result.history[-1]["loss"] < result.history[0]["loss"]
