@@ -72,10 +72,20 @@ def binary() -> str:
 
 
 def node_targets() -> list[str]:
-    """host:port of every alive Ray node's metrics endpoint (MetricsExportPort in ray.nodes())."""
+    """host:port of every alive Ray node's metrics endpoint (MetricsExportPort in ray.nodes()) that answers: a node
+    an earlier test removed stays "alive" to Ray until its health checks run out (~30 s), its endpoint gone."""
     import ray
 
-    return sorted({f"{n['NodeManagerAddress']}:{n['MetricsExportPort']}" for n in ray.nodes() if n["Alive"]})
+    listed = sorted({f"{n['NodeManagerAddress']}:{n['MetricsExportPort']}" for n in ray.nodes() if n["Alive"]})
+    return [target for target in listed if _answers(target)]
+
+
+def _answers(target: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{target}/metrics", timeout=5):
+            return True
+    except OSError:
+        return False
 
 
 class Server:

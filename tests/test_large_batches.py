@@ -299,12 +299,14 @@ def test_an_elastic_job_shrinks_keeping_the_effective_batch_and_grows_back_when_
     """4 workers x 8 rows, global batch 32; a node is lost. 3 workers would need 4/3 accumulation steps or
     32/3 rows, so raytf goes on with 2 workers x 8 rows x 2 accumulation steps: same effective batch,
     same steps per epoch, same per-replica memory. A node then joins: within one grow_check_s every worker
-    stops at one step with a checkpoint, and the job ends on 4 workers again, 0 steps lost to growing."""
+    stops at one step with a checkpoint, and the job ends on 4 workers again. 0 steps lost to either: the restart
+    after the loss resumes from a survivor's state (raytf.actor.rescue), every row of each epoch counted once."""
     (job_dir / "stateful.py").write_text(STATEFUL_MODEL)
-    # 8 epochs: the 2-worker attempt must still train while the node comes back and the probe finds it (~3.5 s
-    # here: the node's start, then the next 1-s check after the attempt's first checkpoint). It trains ~50 steps
-    # a second: with 5 epochs it had ~4 s and sometimes ended first (it grew at step 120-219 of 224).
-    epochs = 8
+    # 16 epochs: the 2-worker attempt must still train while the node comes back and the probe finds it (~3.5 s
+    # here: the node's start, then the next 1-s check after the attempt's first checkpoint). It trains 50-150 steps
+    # a second (loaded or not): with 5 epochs it had ~4 s and sometimes ended first (it grew at step 120-219 of
+    # 224); with 8, on an idle machine and resumed from a survivor's state at the end of epoch 1, it ended first too.
+    epochs = 16
     spec = base_spec(model="stateful:build_model", train={"epochs": epochs, "global_batch_size": 32, "seed": 7},
                      cluster={"workers": 4, "cpus_per_worker": 1, "reserve_timeout_s": 5},
                      checkpoint={"dir": str(job_dir / "ckpt"), "every_steps": 20},
@@ -336,6 +338,8 @@ def test_an_elastic_job_shrinks_keeping_the_effective_batch_and_grows_back_when_
     print(f"grew at step {grown['stop_step']} of {epochs * steps}")
     kept = {"global_batch_size": 16, "accumulation_steps": 2, "per_replica_batch_size": 8, "kept": "per_replica_batch"}
     assert lost["workers"] == 2 and lost["batch"] == kept
+    # a survivor's state at the last step all 4 finished, resumed on 2: no step lost to the node either
+    assert lost["state_from"].startswith("rank ") and lost["steps_lost"] == 0, lost
     assert grown["kind"] == "resized" and (grown["from_workers"], grown["workers"]) == (2, 4)
     assert grown["steps_lost"] == 0 and grown["resumed_from_step"] == grown["step_saved"] == grown["stop_step"]
     assert grown["batch"]["global_batch_size"] == 32 and grown["batch"]["accumulation_steps"] == 1

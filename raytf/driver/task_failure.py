@@ -28,14 +28,13 @@ def attempt_failure(a, task: Task, error: TaskError, with_it: list[Finished], ba
     errors += [failure_lib.rank_error(rank_of(f.handle), f.error) for f in with_it if f.error and fatal(f.handle)]
     seen = {f.handle for f in with_it}
     pending = [h for h in a.awaited + a.side if h not in seen and fatal(h)]
-    rescuing = rescuing and errors[0].kind == "actor_died"
-    if rescuing:
+    if rescuing and errors[0].kind == "actor_died":
         errors += rescue.collect(a.group, survivors(a.tasks, errors), pending, rank_of, clock, limits.rescue_wait_s)
-    else:
+    else:  # a peer's broken collective may come first, its dead actor within the grace
         errors += failure_lib.errors_within(pending, a.group.wait, rank_of, clock, peer_grace_s(errors[0].kind, limits))
     failure = failure_lib.aggregate(errors)
     failure = dataclasses.replace(failure, message=backend.failed_task(task) + failure.message)
-    if rescuing:
+    if rescuing and failure.kind == "actor_died":
         saved = rescue.save(a.group, survivors(a.tasks, errors), a.payload.resume_from.step if a.payload.resume_from
                             else 0, limits.progress_timeout_s, limits.rescue_upload_s, note)
         if saved is not None:
