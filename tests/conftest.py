@@ -12,7 +12,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 DIGITS = REPO / "jobs" / "data"
 
-# Two pytest-xdist workers (pyproject's addopts), each taking the next whole module as it frees up: each gets a temp
+# Two pytest-xdist workers (pyproject's addopts), each taking the next test as it frees up: each gets a temp
 # folder of its own before anything reads it, so the Ray clusters it starts (Ray keeps its sessions and its "current
 # cluster" file there), the tasks' scratch folders and the leak checks that read them (task_files_in_temp_dir)
 # never meet the other worker's. Each worker makes the session's fixtures (its own 3-node cluster) once.
@@ -54,27 +54,10 @@ def tier_of(module: str, cluster: bool) -> list[str]:
     return ["tf"] if module in TF_MODULES else ["pure"]
 
 
-# The modules that cost the most, slowest first (a clean clone's full run, docs/concepts/tests.md). The workers take
-# whole modules in this order (`--dist loadscope --no-loadscope-reorder`), so a module's fixtures (a cluster of
-# namespaced hosts, a Ray head, a finished run other tests read) are made once, and the two workers end together:
-# longest first, the short modules fill in at the end.
-SLOWEST_MODULES = ["test_tune.py", "test_parameter_server.py", "test_large_batches.py", "test_multi_host.py",
-                   "test_real_code.py", "test_storage.py", "test_submit.py", "test_fault_tolerance.py",
-                   "test_user_paths.py", "test_preemption.py", "test_ps_train_fn.py", "test_image_jobs.py",
-                   "test_cluster.py", "test_own_loop.py", "test_serving.py", "test_storage_safety.py",
-                   "test_labels.py", "test_strategies.py", "test_autoscale.py", "test_results_errors.py"]
-
-
-def run_order(module: str) -> int:
-    """Where a module's tests go in the run: the slowest modules first, then the rest as collected."""
-    return SLOWEST_MODULES.index(module) if module in SLOWEST_MODULES else len(SLOWEST_MODULES)
-
-
 def pytest_collection_modifyitems(config, items):
     for item in items:
         for name in tier_of(item.path.name, item.get_closest_marker("cluster") is not None):
             item.add_marker(name)
-    items.sort(key=lambda item: run_order(item.path.name))  # stable: a module's tests keep their order
 
 
 def _cpu_jiffies() -> tuple[int, int]:
