@@ -127,27 +127,38 @@ class Hosts:
     def start_ray(self, ready_timeout_s: float = 90) -> None:
         for i, h in enumerate(self.hosts.values()):
             os.makedirs(h.temp_dir, exist_ok=True)
-            args = ["--head", f"--port={GCS_PORT}", f"--dashboard-host={h.address}", f"--dashboard-port={JOBS_PORT}",
-                    "--include-dashboard=true"] if i == 0 else [f"--address={self.gcs_address}"]
-            cmd = ["ip", "netns", "exec", h.ns, str(BIN / "ray"), "start", "--block", *args,
-                   f"--node-ip-address={h.address}", f"--temp-dir={h.temp_dir}", f"--num-cpus={self.cpus[h.name]:g}",
-                   f"--num-gpus={self.gpus.get(h.name, 0)}", "--disable-usage-stats"]
-            self.logs[h.name] = Path(self.root) / f"{h.name}.log"
-            with open(self.logs[h.name], "w") as log:
-                h.proc = subprocess.Popen(cmd, env=self.env(), stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True)
+            self._ray_start(h, head=i == 0)
             if i == 0:
                 self._wait_for_nodes(1, ready_timeout_s)
         self._wait_for_nodes(len(self.hosts), ready_timeout_s)
 
-    def _wait_for_nodes(self, count: int, timeout_s: float) -> None:
+    def _ray_start(self, h, head: bool) -> None:
+        args = ["--head", f"--port={GCS_PORT}", f"--dashboard-host={h.address}", f"--dashboard-port={JOBS_PORT}",
+                "--include-dashboard=true"] if head else [f"--address={self.gcs_address}"]
+        cmd = ["ip", "netns", "exec", h.ns, str(BIN / "ray"), "start", "--block", *args,
+               f"--node-ip-address={h.address}", f"--temp-dir={h.temp_dir}", f"--num-cpus={self.cpus[h.name]:g}",
+               f"--num-gpus={self.gpus.get(h.name, 0)}", "--disable-usage-stats"]
+        self.logs[h.name] = Path(self.root) / f"{h.name}.log"
+        with open(self.logs[h.name], "a") as log:
+            h.proc = subprocess.Popen(cmd, env=self.env(), stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+
+    def _wait_for_nodes(self, count: int, timeout_s: float, starts: int = 3) -> None:
+        """Until `count` nodes are alive. A worker host whose `ray start` gave up (its raylet did not register in
+        time: "Failed to get node info ... Deadline Exceeded", seen once in a clean-clone CI on a saturated
+        machine) is started again, up to `starts` times in all."""
         deadline = time.time() + timeout_s
+        tries = {name: 1 for name in self.hosts}
         while True:
             alive = self.alive_nodes(check=False)
             if alive is not None and len(alive) >= count:
                 return
             for h in self.hosts.values():
                 if h.proc is not None and h.proc.poll() is not None:
+                    if h is not self.head and tries[h.name] < starts:
+                        tries[h.name] += 1
+                        self._ray_start(h, head=False)
+                        continue
                     raise RuntimeError(f"ray start on {h.name} exited: {self.logs[h.name].read_text()[-2000:]}")
             if time.time() > deadline:
                 raise RuntimeError(f"{count} Ray nodes did not come up in {timeout_s:g}s; head log: "

@@ -244,6 +244,25 @@ def test_a_dead_actor_is_answered_from_the_survivor_that_got_furthest_and_loses_
     assert world.aborted == [] and world.rescue_uploads == [] and "state_from" not in result.restarts[0]
 
 
+def test_a_peer_cut_off_is_answered_from_the_survivors_state_too(tmp_path):
+    """Rank 1's host drops off the network: nobody sees it die; rank 0's collective times out (kind collective),
+    and the state it kept is the restart's. The silent rank holds none."""
+    def script(attempt, task):
+        if attempt == 1 and task.rank == 0:
+            return Script(fail_after=3.0, error=collective_error(), rescue_step=25)
+        if attempt == 1:
+            return Script(finish_after=None, hang_after=2.5)
+        return Script(finish_after=5.0)
+
+    job = make_job(tmp_path, failure={"max_restarts": 1}, checkpoint={"dir": str(tmp_path / "ckpt"), "every_steps": 50})
+    c, world, clock = make(tmp_path, script, job)
+    world.on_checkpoint = lambda step: _checkpoints(tmp_path, [step]) and None
+    result = run_fast(c)
+    restart = result.restarts[0]
+    assert restart["kind"] == "collective" and restart["state_from"] == "rank 0" and world.rescue_uploads == [(0, 25)]
+    assert restart["resumed_from_step"] == 25 and restart["steps_lost"] == 0 and world.aborted == []
+
+
 def test_ranks_that_die_together_are_all_named(tmp_path):
     """A node with two ranks goes away: both deaths arrive in one poll, and both ranks are named."""
     def script(attempt, task):

@@ -23,6 +23,7 @@ class Limits:
     progress_timeout_s: float = 4.0  # how long a progress query may take before that rank counts as silent
     peer_error_grace_s: float = 2.0  # after a rank fails, how long to collect the others' errors
     rescue_wait_s: float = 5.0  # after a task died: how long its survivors may take to fail and keep their state
+    rescue_answer_s: float = 2.0  # how long a survivor may take to say which step it holds (no TensorFlow)
     rescue_upload_s: float = 120.0  # how long the furthest survivor's upload of that state may take
     rendezvous_attempts: int = 3  # fresh ports each time; a port lost twice in a row is already rare
     elastic_reserve_timeout_s: float = 10.0  # after the full size did not fit: how long each smaller size may take

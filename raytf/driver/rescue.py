@@ -42,6 +42,8 @@ def save(group, survivors: list[int], after_step: int, answer_s: float, upload_s
     points = dict(zip(survivors, group.rescue_points(survivors, answer_s)))
     chosen = best(points, after_step)
     if chosen is None:
+        held = ", ".join(f"rank {r}: {'no answer or none' if s is None else f'step {s}'}" for r, s in points.items())
+        note(f"raytf: no survivor kept a state past step {after_step} ({held}); resuming from the last checkpoint")
         return None
     rank, step = chosen
     path = group.upload_rescue(rank, upload_s)

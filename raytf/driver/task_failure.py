@@ -15,6 +15,11 @@ from raytf.driver.policy import Limits, peer_grace_s
 from raytf.rendezvous import Task
 
 
+# What a survivor's state answers: a dead actor, and a collective broken by a peer cut off or stalled (the
+# survivors' steps failed in it all the same; the silent peer answers nothing and holds no state).
+RESCUED = ("actor_died", "collective")
+
+
 def attempt_failure(a, task: Task, error: TaskError, with_it: list[Finished], backend, clock, limits: Limits,
                     rescuing: bool, note: Callable[[str], None]) -> Failure:
     """The failure of attempt `a` (raytf.driver.attempt.Attempt) after `task` failed with `error` (`with_it`: the
@@ -34,9 +39,9 @@ def attempt_failure(a, task: Task, error: TaskError, with_it: list[Finished], ba
         errors += failure_lib.errors_within(pending, a.group.wait, rank_of, clock, peer_grace_s(errors[0].kind, limits))
     failure = failure_lib.aggregate(errors)
     failure = dataclasses.replace(failure, message=backend.failed_task(task) + failure.message)
-    if rescuing and failure.kind == "actor_died":
+    if rescuing and failure.kind in RESCUED:
         saved = rescue.save(a.group, survivors(a.tasks, errors), a.payload.resume_from.step if a.payload.resume_from
-                            else 0, limits.progress_timeout_s, limits.rescue_upload_s, note)
+                            else 0, limits.rescue_answer_s, limits.rescue_upload_s, note)
         if saved is not None:
             failure.details.update(state_from=f"rank {saved.rank}", last_step=max(a.last_step, saved.step))
     return failure
