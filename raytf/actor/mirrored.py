@@ -86,6 +86,10 @@ class MirroredRunner:
         # deterministic run keeps it in its checkpoints, so a resumed run draws the masks it would have drawn.
         randomness = {"random_state": steps_lib.random_state(self.model)} if self.deterministic else {}
         self.state = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer, **randomness)
+        # A survivor's state holds the failed step's forward pass in its BatchNormalization statistics and Dropout's
+        # random state: a deterministic run with either resumes bit for bit only from a checkpoint.
+        self.rescuable = not (self.deterministic and (steps_lib.synced_state(self.model) or
+                                                     randomness.get("random_state")))
         loss_fn = steps_lib.build_loss(spec)
         self.train_acc = steps_lib.Accumulator(steps_lib.build_metrics(spec))
         self.eval_acc = steps_lib.Accumulator(steps_lib.build_metrics(spec))
