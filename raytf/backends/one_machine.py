@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 class OneMachine(Mirrored):
     actor_module = "raytf.actor.one_machine"
     supports_elastic = False
+    rescues_peers = False  # one task: no survivor to keep the state
     default_workers = 1  # raytf.spec fills it in (ONE_TASK_STRATEGIES)
     supervision = {"worker": RoleSupervision(awaited=True, on_failure="fatal", watched=True)}
     own_step_call = "strategy.run"
