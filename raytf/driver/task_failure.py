@@ -24,9 +24,10 @@ def attempt_failure(a, task: Task, error: TaskError, with_it: list[Finished], ba
                     rescuing: bool, note: Callable[[str], None]) -> Failure:
     """The failure of attempt `a` (raytf.driver.attempt.Attempt) after `task` failed with `error` (`with_it`: the
     others that returned in the same poll): the errors of the other tasks whose failure is fatal, those that
-    returned with it and those that fail within the grace (none is waited for when an actor died: its peers
-    would only time out), aggregated. `rescuing`: a death is answered from a survivor's state (the survivors'
-    collectives are failed at once, and their errors collected within Limits.rescue_wait_s)."""
+    returned with it and those that fail within the grace, aggregated. After a death, its peers would only time
+    out: none is waited for, unless `rescuing` (raytf's loop under mirrored, with a checkpoint.dir): then their
+    collectives are failed at once, their errors collected within Limits.rescue_wait_s, and the furthest one's
+    state (theirs after a broken collective too) becomes the newest checkpoint."""
     fatal = lambda handle: backend.supervision[a.task_of[handle].role].on_failure == "fatal"  # noqa: E731
     rank_of = lambda handle: a.task_of[handle].rank  # noqa: E731
     errors = [failure_lib.rank_error(task.rank, error)]
