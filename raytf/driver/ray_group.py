@@ -324,9 +324,9 @@ class RayResources:
     def ready_again(self, pg, timeout_s: float) -> bool:
         """Ready, with every bundle on a node that answers. A node that died or dropped off the network is
         still "alive" to Ray until its health checks run out (~30 s), and the group's bundle stays on it:
-        an actor created there dies at once, a wasted restart. So each node of the group is asked to run
-        for a connection to its raylet; while one does not answer in NODE_PROBE_S, the group waits (and asks again: a node
-        only busy answers later) until Ray declares it dead and moves the bundle, or the deadline passes
+        an actor created there dies at once, a wasted restart. So each node of the group's raylet is asked for a
+        connection (`unresponsive`); while one does not accept it in NODE_PROBE_S, the group waits (and asks again:
+        a node only busy answers later) until Ray declares it dead and moves the bundle, or the deadline passes
         (False, and the caller reserves anew)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
