@@ -251,6 +251,17 @@ def test_a_tasks_thread_pools_follow_the_cpus_it_reserved_one_thread_and_no_spin
     from raytf.actor import task_actor
 
     monkeypatch.setattr(task_actor, "_disable_thread_spinning", lambda: set_to.__setitem__("spinning", False))
+    monkeypatch.delenv("TF_GRPC_DEFAULT_OPTIONS", raising=False)  # set by the call; put back after the test
     _configure_process(tf, SimpleNamespace(role=role), spec)
     assert (set_to["intra"], set_to["inter"]) == threads
     assert set_to.get("spinning", True) == (cpus >= 1)  # a fraction of a core: idle pool threads do not spin
+    assert "grpc.initial_reconnect_backoff_ms=50" in os.environ["TF_GRPC_DEFAULT_OPTIONS"]
+
+
+def test_grpc_retries_a_peer_not_yet_up_after_50_ms_and_a_users_own_grpc_options_win():
+    """gRPC's first retry of a peer whose server was not up yet waits 1 s: every strategy start paid it."""
+    from raytf.actor.task_actor import grpc_default_options
+
+    assert grpc_default_options(None) == "grpc.initial_reconnect_backoff_ms=50,grpc.min_reconnect_backoff_ms=50"
+    assert grpc_default_options("grpc.min_reconnect_backoff_ms=200,grpc.keepalive_time_ms=9") == (
+        "grpc.min_reconnect_backoff_ms=200,grpc.keepalive_time_ms=9,grpc.initial_reconnect_backoff_ms=50")
