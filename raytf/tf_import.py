@@ -3,6 +3,10 @@ scikit-learn (for `keras.wrappers.SKLearn*`), matplotlib (for `keras.visualizati
 `keras.saving.KerasFileEditor`'s notebook display). Together ~1.5 of TensorFlow's ~4.3 CPU-s here (0.75, 0.5
 and 0.35), paid by every process that imports TensorFlow, for code no raytf task or driver calls.
 
+Keras 3 is imported in the same window: TensorFlow imports it itself (eagerly, for its optimizers' registry),
+but under TF_USE_LEGACY_KERAS=1 (`train.keras: legacy`) it imports tf-keras instead, and Keras 3 came later,
+from raytf's own modules, with all three (+1.4-1.8 s of every such task's start, measured).
+
 Only in processes that are raytf's own: each task actor, and the console script's driver (`set_lean_driver`).
 Never in a user's Python calling `raytf.fit`, whose Keras would lose those classes for the session. All
 three import as usual afterwards; only Keras's own references to them stay empty
@@ -26,6 +30,7 @@ def import_tensorflow() -> None:
         sys.modules[name] = None
     try:
         importlib.import_module("tensorflow")
+        importlib.import_module("keras")  # Keras 3, which raytf's task code uses whatever tf.keras is
     finally:
         for name in hidden:
             if name in sys.modules and sys.modules[name] is None:

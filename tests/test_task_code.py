@@ -165,9 +165,11 @@ def test_ctrl_c_exits_130_and_sigterm_143_each_saying_interrupted(capsys):
 
 
 @pytest.mark.timeout(60)
-def test_a_task_imports_tensorflow_without_scikit_learn_matplotlib_and_ipython_which_then_import_as_usual():
+@pytest.mark.parametrize("legacy", ["0", "1"])
+def test_a_task_imports_tensorflow_without_scikit_learn_matplotlib_and_ipython_which_then_import_as_usual(legacy):
     """Keras 3 imports scikit-learn, matplotlib and IPython with TensorFlow (~1.5 CPU-s of every worker's start
-    here); a task's import (and the console script's) leaves them out, and the user's own imports afterwards work."""
+    here); a task's import (and the console script's) leaves them out, and the user's own imports afterwards work.
+    Also under train.keras: legacy, where TensorFlow imports tf-keras and Keras 3 came later, with all three."""
     pytest.importorskip("sklearn")
     pytest.importorskip("matplotlib")
     pytest.importorskip("IPython")
@@ -186,7 +188,8 @@ def test_a_task_imports_tensorflow_without_scikit_learn_matplotlib_and_ipython_w
         plt.plot([0, 1])
         print(left_out, round(float(sklearn.linear_model.LinearRegression().fit([[0], [1]], [0, 2]).coef_[0]), 6))
     """)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50,
+                          env={**os.environ, "TF_USE_LEGACY_KERAS": legacy})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split("\n")[-2] == "True 2.0", proc.stdout
 
@@ -265,3 +268,14 @@ def test_grpc_retries_a_peer_not_yet_up_after_50_ms_and_a_users_own_grpc_options
     assert grpc_default_options(None) == "grpc.initial_reconnect_backoff_ms=50,grpc.min_reconnect_backoff_ms=50"
     assert grpc_default_options("grpc.min_reconnect_backoff_ms=200,grpc.keepalive_time_ms=9") == (
         "grpc.min_reconnect_backoff_ms=200,grpc.keepalive_time_ms=9,grpc.initial_reconnect_backoff_ms=50")
+
+
+def test_the_tasks_keras_is_the_one_the_spec_names_whatever_the_drivers_environment_says(job_dir, monkeypatch):
+    """An embedded Ray's actors inherit the driver's environment: TF_USE_LEGACY_KERAS=1 there made tf.keras tf-keras
+    (and Keras 3 a late import) in the tasks of a job whose spec says Keras 3."""
+    from raytf.driver.packaging import runtime_env
+    from raytf.job import load
+    from tests.conftest import write_job
+
+    monkeypatch.setenv("TF_USE_LEGACY_KERAS", "1")
+    assert runtime_env(load(write_job(job_dir, base_spec())))["env_vars"]["TF_USE_LEGACY_KERAS"] == "0"
