@@ -147,8 +147,9 @@ def runtime_env(job: Job) -> dict[str, Any]:
     driver's working directory travel as py_modules. Outputs stay behind."""
     extra_modules = modules_outside(job.job_dir, [function_ref(job.spec, key) for key in FUNCTION_KEYS])
     env_vars = {"TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
-    if job.spec.train.keras == "legacy":  # tf.keras is tf-keras (Keras 2) in every actor
-        env_vars["TF_USE_LEGACY_KERAS"] = "1"
+    # tf.keras is tf-keras (Keras 2) in every actor under legacy, else Keras 3 as the spec says, also where the
+    # cluster's (or an embedded Ray's, the driver's) environment says otherwise
+    env_vars["TF_USE_LEGACY_KERAS"] = "1" if job.spec.train.keras == "legacy" else "0"
     env = {"working_dir": str(job.job_dir), "excludes": excludes_for(job), "env_vars": env_vars}
     if extra_modules:
         env["py_modules"] = extra_modules
