@@ -91,7 +91,7 @@ class DrainWatch:
             return self._grow(group, loop_ranks, progress, last_step, now)
         self._checked_at = now
         draining = self.resources.draining()
-        on_drained = [t for t in tasks if t.node_id in draining and t.node_id not in self._let_go]
+        on_drained = self._on_drained(tasks, draining)
         # A node holding only tasks the job goes on without (parameter-server workers, replaced; an
         # evaluator, recorded) is let go: no checkpoint-now, no restart; its tasks are dealt with when it goes.
         fatal = [t for t in on_drained if self.backend.supervision[t.role].on_failure == "fatal"]
@@ -112,6 +112,19 @@ class DrainWatch:
                                  f"node goes")
             return None
         return self._stop_everyone(group, loop_ranks, progress, now, said)
+
+    def drain_seen(self, tasks: "list[Task]") -> bool:
+        """Between polls (the controller asks every Limits.drain_check_s while it waits for its tasks): whether a
+        node of these tasks has begun to drain, unanswered yet. If so the next poll acts on it at once."""
+        if not self.spec.failure.preemption or self.notice is not None:
+            return False
+        if not self._on_drained(tasks, self.resources.draining()):
+            return False
+        self._checked_at = float("-inf")
+        return True
+
+    def _on_drained(self, tasks: "list[Task]", draining: dict[str, float | None]) -> "list[Task]":
+        return [t for t in tasks if t.node_id in draining and t.node_id not in self._let_go]
 
     def _grow(self, group: "WorkerGroup", loop_ranks: list[int], progress: "list[Progress | None]", last_step: int,
               now: float) -> Failure | None:
