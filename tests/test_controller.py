@@ -263,6 +263,26 @@ def test_a_peer_cut_off_is_answered_from_the_survivors_state_too(tmp_path):
     assert restart["resumed_from_step"] == 25 and restart["steps_lost"] == 0 and world.aborted == []
 
 
+def test_a_hang_is_answered_from_the_state_of_the_rank_that_waited_for_the_stalled_one(tmp_path):
+    """Rank 1's input stalls; rank 0 waits for it in the step's all-reduce. At hang_timeout_s every rank's
+    collectives are failed: rank 0 keeps the state of the last step both finished, which the restart resumes
+    from. Rank 1, stuck outside any collective, holds none."""
+    def script(attempt, task):
+        if attempt == 1:
+            return Script(finish_after=None, hang_after=2.5, rescue_step=25 if task.rank == 0 else None)
+        return Script(finish_after=5.0)
+
+    job = make_job(tmp_path, failure={"max_restarts": 1, "hang_timeout_s": 10},
+                   checkpoint={"dir": str(tmp_path / "ckpt"), "every_steps": 50})
+    c, world, clock = make(tmp_path, script, job)
+    world.on_checkpoint = lambda step: _checkpoints(tmp_path, [step]) and None
+    result = run_fast(c)
+    restart = result.restarts[0]
+    assert restart["kind"] == "hang" and world.aborted == [[0, 1]] and world.rescue_uploads == [(0, 25)]
+    assert restart["state_from"] == "rank 0" and restart["resumed_from_step"] == 25 and restart["steps_lost"] == 0
+    assert result.status == "succeeded"
+
+
 def test_ranks_that_die_together_are_all_named(tmp_path):
     """A node with two ranks goes away: both deaths arrive in one poll, and both ranks are named."""
     def script(attempt, task):

@@ -139,7 +139,7 @@ def test_a_killed_worker_costs_one_restart_and_no_step_and_the_run_ends_where_it
 
 
 
-def test_a_stalled_worker_is_detected_within_the_hang_timeout_and_restarted(cluster, job_dir):
+def test_a_stalled_worker_is_detected_within_the_hang_timeout_and_restarted_from_its_peers_state(cluster, job_dir):
     (job_dir / "stall.py").write_text(rank_one_data(marker=str(job_dir / "stalled-once"), stall_at=30))
     hang_timeout_s = 6
     spec = ft_spec(job_dir, dataset_fn="stall:dataset_fn",
@@ -149,6 +149,10 @@ def test_a_stalled_worker_is_detected_within_the_hang_timeout_and_restarted(clus
     result = raytf.fit(write_job(job_dir, spec))
     assert len(result.restarts) == 1 and result.restarts[0]["kind"] == "hang"
     assert "no progress from rank(s)" in result.restarts[0]["reason"] and 1 in result.restarts[0]["ranks"]
+    # rank 0, waiting for rank 1 in the step's all-reduce, kept the state of the step both finished (no checkpoint
+    # yet: every_steps 40): the restart resumes there
+    assert result.restarts[0]["state_from"] == "rank 0" and result.restarts[0]["steps_lost"] == 0, result.restarts
+    assert result.restarts[0]["resumed_from_step"] == 30 // 8, result.restarts  # rank 1 stalls on row 30: 3 batches of 8
     stalled_at = float((job_dir / "stalled-once").read_text())
     detected_after = result.restarts[0]["time"] - stalled_at
     assert hang_timeout_s <= detected_after <= hang_timeout_s + 8, detected_after

@@ -271,7 +271,7 @@ class Controller:
     def _supervise(self) -> None:
         """One poll: collect the tasks that returned, bring back lost ones, watch for hangs, show progress."""
         a = self.attempt
-        returned = self._wait(a)
+        returned = a.drains.wait(a.group, a.awaited + a.side, a.tasks, self.clock)
         for i, finished in enumerate(returned):
             if self._returned(finished, returned[i + 1:]):
                 return  # the attempt ended
@@ -303,8 +303,10 @@ class Controller:
                 self.result.hangs.append(hangs.name(a, self.backend, hung, progress, len(self.decisions) + 1,
                                                     self.job.output_dir, self.spec.failure.hang_mode, self.display.message))
             if hung and self.spec.failure.hang_mode == "restart":
-                return self._attempt_failed(Failure("hang", message, tuple(hung), {message: hung}),
-                                            sorted({a.tasks[r].node_ip for r in hung}))
+                failure = Failure("hang", message, tuple(hung), {message: hung})
+                if self._rescuing:  # the ranks waiting for the stalled one keep their state
+                    failure = task_failure.hang_rescue(a, failure, self.clock, self.limits, self.display.message)
+                return self._attempt_failed(failure, sorted({a.tasks[r].node_ip for r in hung}))
             chief = progress[0]
             if chief is not None:
                 self.epochs.feed(chief.epochs)
@@ -322,17 +324,11 @@ class Controller:
                 a.awaited.remove(handle)
             return self._finish()
 
-    def _wait(self, a) -> list:
-        """Up to one poll interval for tasks to return; meanwhile Ray's GCS is asked for drains every
-        drain_check_s, so that a preemption notice is acted on within that rather than a whole poll later."""
-        deadline = self.clock.now() + self.limits.poll_interval_s
-        while True:
-            left = deadline - self.clock.now()
-            returned = a.group.wait(a.awaited + a.side, max(0.0, min(left, self.limits.drain_check_s)))
-            if returned or left <= self.limits.drain_check_s:
-                return returned
-            if a.drains is not None and a.drains.drain_seen(a.tasks):
-                return returned
+    @property
+    def _rescuing(self) -> bool:
+        """Whether a failed attempt resumes from a survivor's state (raytf's loop, a strategy whose workers each
+        hold it all, a checkpoint.dir to save it to)."""
+        return self.backend.rescues_peers and self.spec.train_fn is None and self.storage is not None
 
     @property
     def _says_steps(self) -> bool:
@@ -379,9 +375,8 @@ class Controller:
     def _fatal(self, task: Task, error: TaskError, with_it: list[Finished]) -> None:
         """The attempt ends for a task's fatal error: with its peers' errors, and a survivor's state where the
         task died (raytf.driver.task_failure)."""
-        rescuing = self.backend.rescues_peers and self.spec.train_fn is None and self.storage is not None
         failure = task_failure.attempt_failure(self.attempt, task, error, with_it, self.backend, self.clock,
-                                               self.limits, rescuing, self.display.message)
+                                               self.limits, self._rescuing, self.display.message)
         self._attempt_failed(failure, sorted({self.attempt.tasks[r].node_ip for r in failure.ranks}) or [task.node_ip])
 
     def _attempt_failed(self, failure: Failure, nodes: list[str] | None = None) -> None:

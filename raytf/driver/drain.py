@@ -113,6 +113,16 @@ class DrainWatch:
             return None
         return self._stop_everyone(group, loop_ranks, progress, now, said)
 
+    def wait(self, group: "WorkerGroup", handles: list, tasks: "list[Task]", clock) -> list:
+        """Up to one poll interval for tasks to return; meanwhile Ray's GCS is asked for drains every
+        drain_check_s, so that a preemption notice is acted on within that rather than a whole poll later."""
+        deadline = clock.now() + self.limits.poll_interval_s
+        while True:
+            left = deadline - clock.now()
+            returned = group.wait(handles, max(0.0, min(left, self.limits.drain_check_s)))
+            if returned or left <= self.limits.drain_check_s or self.drain_seen(tasks):
+                return returned
+
     def drain_seen(self, tasks: "list[Task]") -> bool:
         """Between polls (the controller asks every Limits.drain_check_s while it waits for its tasks): whether a
         node of these tasks has begun to drain, unanswered yet. If so the next poll acts on it at once."""

@@ -1,6 +1,6 @@
 """What ends an attempt when a task fails fatally: the errors of its peers, collected as they follow (often broken
 collectives, as a consequence), root cause first; and where the task died, a survivor's state saved as the newest
-checkpoint (raytf.driver.rescue), so the restart loses no step.
+checkpoint (raytf.driver.rescue), so the restart loses no step; the same for the ranks a hang left waiting.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from raytf.rendezvous import Task
 
 
 # What a survivor's state answers: a dead actor, and a collective broken by a peer cut off or stalled (the
-# survivors' steps failed in it all the same; the silent peer answers nothing and holds no state).
+# survivors' steps failed in it all the same; the silent peer answers nothing and holds no state). A hang: hang_rescue.
 RESCUED = ("actor_died", "collective")
 
 
@@ -45,6 +45,21 @@ def attempt_failure(a, task: Task, error: TaskError, with_it: list[Finished], ba
                             else 0, limits.rescue_answer_s, limits.rescue_upload_s, note)
         if saved is not None:
             failure.details.update(state_from=f"rank {saved.rank}", last_step=max(a.last_step, saved.step))
+    return failure
+
+
+def hang_rescue(a, failure: Failure, clock, limits: Limits, note: Callable[[str], None]) -> Failure:
+    """A hang of attempt `a` under raytf's loop, before its teardown: every rank's collectives are failed, so
+    those waiting in one for the stalled rank (its input, user code, a storage write) keep their state at the
+    last step all finished, and the furthest one's becomes the newest checkpoint, as after a death. The stalled
+    rank holds none; with no rank in a collective, the last checkpoint stands."""
+    ranks = [t.rank for t in a.tasks]
+    # an aborted collective lets go within milliseconds; the stalled rank never does: not waited for long
+    rescue.collect(a.group, ranks, list(a.awaited), lambda handle: a.task_of[handle].rank, clock, limits.rescue_answer_s)
+    saved = rescue.save(a.group, ranks, a.payload.resume_from.step if a.payload.resume_from else 0,
+                        limits.rescue_answer_s, limits.rescue_upload_s, note)
+    if saved is not None:
+        failure.details.update(state_from=f"rank {saved.rank}", last_step=max(a.last_step, saved.step))
     return failure
 
 
