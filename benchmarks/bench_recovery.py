@@ -87,7 +87,8 @@ def run_raytf(work: Path) -> dict:
     print(f"raytf: detected {restart['time'] - record['killed_at']:.2f}s after the kill; phases of the "
           f"restarted attempt {result.phases}", flush=True)
     return {"recovery_s": restart["first_step_at"] - record["killed_at"],
-            "steps_lost": record["step"] - restart["resumed_from_step"], "total_s": total,
+            # the restart's own count (the step seen at the kill may lag the survivor's by one)
+            "steps_lost": restart.get("steps_lost", record["step"] - restart["resumed_from_step"]), "total_s": total,
             "final_loss": result.history[-1]["loss"]}
 
 
