@@ -58,9 +58,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         for name in tier_of(item.path.name, item.get_closest_marker("cluster") is not None):
             item.add_marker(name)
-    # The cluster tests first, each module's in its order: the two xdist workers then end on the short tests and
-    # together, not one on the sweeps of test_tune.py (last by name) while the other waits (70 s, 2026-12-06).
-    items.sort(key=lambda item: item.get_closest_marker("cluster") is None)
 
 
 def _cpu_jiffies() -> tuple[int, int]:
