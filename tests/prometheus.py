@@ -300,8 +300,11 @@ def check_dashboard(watch: DashboardWatch, restarts: int, deadline_s: float = 20
     sequence = [v for i, v in enumerate(values) if i == 0 or values[i - 1] != v]
     figures["job_states"] = sequence
     assert sequence[0] in ("placing", "starting") and sequence[-1] == "done", sequence
-    assert [s for s in sequence if s not in ("placing", "starting")] == ["running", "restarting"] * restarts + \
-        ["running", "done"], sequence
+    # A restart shorter than an export and a scrape (a dead worker's costs ~2 s now) may not show as "restarting"
+    # in the state's series: the restarts counter and its annotation (below) mark every one.
+    shown = [s for s in sequence if s not in ("placing", "starting")]
+    seen = shown.count("restarting")
+    assert shown == ["running", "restarting"] * seen + ["running", "done"] and seen <= restarts, sequence
     # Scrape by scrape: every successful scrape of the driver's node from the first that found the job state to
     # the last found it (a scrape that failed, Prometheus's own timeout on a loaded machine, is no gap of raytf's).
     raw = raw_samples(server, f'ray_raytf_job_state{{run="{run}"}}', start, end)

@@ -248,6 +248,8 @@ def test_a_run_killed_after_two_checkpoints_resumes_from_the_bucket_on_a_new_clu
         while len([f for f in s3.files(f"{out}/checkpoints") if f.endswith("/raytf.json")]) < 2:
             assert first.poll() is None and time.time() < deadline, "".join(said_first[-30:])
             time.sleep(0.1)
+        # At once (an epoch takes ~1 s, the refused driver below seconds): the next checkpoint's upload never answers
+        proxy.fault("hold", match=r"^PUT \S*/checkpoints/")
         # A second driver on the same run, as from another machine (its own temp folder): refused in one line
         # before it reads the job's code, and it writes nothing (result.json below is still the first's).
         other_tmp = tmp_path / "other-machine-tmp"
@@ -260,7 +262,6 @@ def test_a_run_killed_after_two_checkpoints_resumes_from_the_bucket_on_a_new_clu
             + refused.stderr.split(f"pid {first.pid} on {socket.gethostname()}, ", 1)[1].strip()]
         assert "lease renewed until" in refused.stderr and list(other_tmp.iterdir()) == []
 
-        proxy.fault("hold", match=r"^PUT \S*/checkpoints/")  # the next checkpoint's upload never answers
         while not any("every rank's stacks are in" in line for line in said_first):
             assert first.poll() is None and time.time() < deadline, "".join(said_first[-30:])
             time.sleep(0.1)
