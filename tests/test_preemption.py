@@ -66,7 +66,8 @@ def test_a_drained_node_costs_no_step_and_no_restart_budget_even_when_it_goes_be
     drained = []
     trigger = AtSteps([(30, lambda group: drain(plain.node_id, deadline_s=30)), (120, node_of(1, drained))])
     # in epoch 3, some steps after the resume, and between two checkpoints (every 40 steps): a drain seen within
-    # 0.25 s at step 200 had rank 1 die in the checkpoint at 200 itself, which falls back to the checkpoint before
+    # 0.25 s at step 200 had rank 1 die right after the checkpoint at 200, which the restart then resumed from (no
+    # survivor held a later step), not the survivor's state this test is about
     again = AtSteps([(212, node_of(1, drained))], attempts={2})
     dier = DiesWhenAskedToStop(rank=1, attempt=2)
     # 8 epochs: with 5, only ~3.5 s of training followed the drain at step 120, and under load the job once ended
