@@ -41,10 +41,7 @@ def attempt_failure(a, task: Task, error: TaskError, with_it: list[Finished], ba
     failure = failure_lib.aggregate(errors)
     failure = dataclasses.replace(failure, message=backend.failed_task(task) + failure.message)
     if rescuing and failure.kind in RESCUED:
-        saved = rescue.save(a.group, survivors(a.tasks, errors), a.payload.resume_from.step if a.payload.resume_from
-                            else 0, limits.rescue_answer_s, limits.rescue_upload_s, note)
-        if saved is not None:
-            failure.details.update(state_from=f"rank {saved.rank}", last_step=max(a.last_step, saved.step))
+        _resume_from_survivor(a, survivors(a.tasks, errors), failure, limits, note)
     return failure
 
 
@@ -56,11 +53,17 @@ def hang_rescue(a, failure: Failure, clock, limits: Limits, note: Callable[[str]
     ranks = [t.rank for t in a.tasks]
     # an aborted collective lets go within milliseconds; the stalled rank never does: not waited for long
     rescue.collect(a.group, ranks, list(a.awaited), lambda handle: a.task_of[handle].rank, clock, limits.rescue_answer_s)
+    _resume_from_survivor(a, ranks, failure, limits, note)
+    return failure
+
+
+def _resume_from_survivor(a, ranks: list[int], failure: Failure, limits: Limits, note: Callable[[str], None]) -> None:
+    """The furthest of `ranks`' kept states, if past the attempt's own start, uploaded as the newest checkpoint;
+    `failure`'s record then says whose it is and the step it holds."""
     saved = rescue.save(a.group, ranks, a.payload.resume_from.step if a.payload.resume_from else 0,
                         limits.rescue_answer_s, limits.rescue_upload_s, note)
     if saved is not None:
         failure.details.update(state_from=f"rank {saved.rank}", last_step=max(a.last_step, saved.step))
-    return failure
 
 
 def survivors(tasks: list[Task], errors: list[failure_lib.RankError]) -> list[int]:
