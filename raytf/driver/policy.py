@@ -25,6 +25,7 @@ class Limits:
     rescue_wait_s: float = 5.0  # after a task died: how long its survivors may take to fail and keep their state
     rescue_answer_s: float = 2.0  # how long a survivor may take to say which step it holds (no TensorFlow)
     rescue_upload_s: float = 120.0  # how long the furthest survivor's upload of that state may take
+    hang_release_s: float = 2.0  # after a hang: how long the ranks whose collectives were failed may take to let go
     rendezvous_attempts: int = 3  # fresh ports each time; a port lost twice in a row is already rare
     elastic_reserve_timeout_s: float = 10.0  # after the full size did not fit: how long each smaller size may take
     replacements_per_worker: int = 2  # parameter servers: new actors for dead workers, per worker, per attempt

@@ -16,7 +16,8 @@ from raytf.rendezvous import Task
 
 
 # What a survivor's state answers: a dead actor, and a collective broken by a peer cut off or stalled (the
-# survivors' steps failed in it all the same; the silent peer answers nothing and holds no state). A hang: hang_rescue.
+# survivors' steps failed in it all the same; the silent peer answers nothing and holds no state).
+# A hang: hang_rescue.
 RESCUED = ("actor_died", "collective")
 
 
@@ -52,7 +53,7 @@ def hang_rescue(a, failure: Failure, clock, limits: Limits, note: Callable[[str]
     rank holds none; with no rank in a collective, the last checkpoint stands."""
     ranks = [t.rank for t in a.tasks]
     # an aborted collective lets go within milliseconds; the stalled rank never does: not waited for long
-    rescue.collect(a.group, ranks, list(a.awaited), lambda handle: a.task_of[handle].rank, clock, limits.rescue_answer_s)
+    rescue.collect(a.group, ranks, list(a.awaited), lambda handle: a.task_of[handle].rank, clock, limits.hang_release_s)
     _resume_from_survivor(a, ranks, failure, limits, note)
     return failure
 
