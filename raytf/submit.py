@@ -39,8 +39,10 @@ CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 120.0  # an upload of the job folder is answered only once the head has stored it
 POLL_READ_TIMEOUT_S = 20.0  # status polls while following: short, so Ctrl-C is never stuck behind one
 POLL_S = 2.0  # no log output for this long: ask for the job's status
+AGENT_WAIT_S = 60.0  # a head just started: how long a submission may wait for its job agent to come up
 LOST_CONTACT_S = 60.0  # following: no answer from the cluster for this long -> stop following, say so
 END_GRACE_S = 10.0  # after the job ends: wait this long for the last log lines and the final status
+NO_AGENT = "No available agent to submit job"  # Ray's answer while the head's job agent is not up yet
 EXIT_STOPPED = 4  # the job was stopped (raytf stop, ray job stop) before it finished
 EXIT_UNREACHABLE = 5  # the Jobs API could not be reached, refused the token, or answered with an error
 
@@ -177,10 +179,19 @@ class Jobs:
         with _env_without("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS"):
             self.client = self._call("connecting", lambda: _Client(self.address, read_timeout_s))
 
-    def submit(self, sub: Submission) -> str:
-        return self._call(f"submitting {sub.job_dir}", lambda: self.client.submit_job(
-            entrypoint=sub.entrypoint, runtime_env=sub.runtime_env, submission_id=sub.submission_id,
-            metadata=sub.metadata))
+    def submit(self, sub: Submission, agent_wait_s: float = AGENT_WAIT_S) -> str:
+        """Submit the job. A head that has just started answers 500 "No available agent" (its job agent
+        had not registered within Ray's 10 s) until the agent is up: that is asked again, not failed."""
+        deadline = time.monotonic() + agent_wait_s
+        while True:
+            try:
+                return self._call(f"submitting {sub.job_dir}", lambda: self.client.submit_job(
+                    entrypoint=sub.entrypoint, runtime_env=sub.runtime_env, submission_id=sub.submission_id,
+                    metadata=sub.metadata))
+            except ClusterUnreachable as exc:
+                if NO_AGENT not in str(exc) or time.monotonic() > deadline:
+                    raise
+            time.sleep(1.0)
 
     def info(self, job_id: str) -> JobDetails:
         return self._call(f"asking for job {job_id}", lambda: self.client.get_job_info(job_id), job_id)

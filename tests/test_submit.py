@@ -359,3 +359,29 @@ def test_an_explicit_address_beats_ray_address(monkeypatch):
     assert jobs_api.resolve_address(None) == "http://10.0.0.1:8265"
     monkeypatch.delenv("RAY_ADDRESS")
     assert jobs_api.resolve_address(None) == jobs_api.DEFAULT_ADDRESS
+
+
+def test_a_head_whose_job_agent_is_not_up_yet_is_asked_again_until_a_deadline(job_dir, monkeypatch):
+    # Ray's head answers 500 "No available agent" while its job agent has not registered (seen in CI under load)
+    answers = ["raysubmit_ok"]
+
+    class StartingHead:
+        def __init__(self, refusals):
+            self.refusals = refusals
+
+        def submit_job(self, **kwargs):
+            if self.refusals:
+                self.refusals -= 1
+                raise RuntimeError("Request failed with status code 500: No available agent to submit job, "
+                                   "please try again later..")
+            return answers[0]
+
+    monkeypatch.setattr(jobs_api.time, "sleep", lambda s: None)
+    jobs = object.__new__(jobs_api.Jobs)
+    jobs.address, jobs.read_timeout_s, jobs.token_withheld = "http://127.0.0.1:8265", 1.0, False
+    sub = jobs_api.prepare(write_job(job_dir, base_spec()))
+    jobs.client = StartingHead(refusals=3)
+    assert jobs.submit(sub) == "raysubmit_ok"
+    jobs.client = StartingHead(refusals=10 ** 6)  # never up: one line, after the deadline
+    with pytest.raises(jobs_api.ClusterUnreachable, match="while submitting .*No available agent"):
+        jobs.submit(sub, agent_wait_s=0.05)

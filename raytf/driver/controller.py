@@ -297,7 +297,8 @@ class Controller:
             if drained is not None:  # the attempt ends for a draining node
                 return self._attempt_failed(drained, a.drains.node_ips)
             watched = {r: seen.at for r, seen in a.progress_seen.items() if r not in a.outcomes}
-            hung, message = hung_ranks(watched, before_first, now, hang_timeout_s, self.limits, self.backend.who)
+            hung, message = hung_ranks(watched, before_first, now, hang_timeout_s, self.limits, self.backend.who,
+                                       synchronous=self.backend.synchronous_steps and not self._says_steps)
             if hung and not set(hung) <= a.hangs_named:  # every rank's stacks, before a restart (or instead)
                 a.hangs_named |= set(hung)
                 self.result.hangs.append(hangs.name(a, self.backend, hung, progress, len(self.decisions) + 1,

@@ -219,14 +219,17 @@ def stalled(last_progress_at: dict[int, float], now: float, hang_timeout_s: floa
 
 
 def hung_ranks(watched: dict[int, float], before_first: set[int], now: float, hang_timeout_s: float,
-               limits: Limits, who: Callable[[list[int]], str]) -> tuple[list[int], str]:
+               limits: Limits, who: Callable[[list[int]], str], synchronous: bool = False) -> tuple[list[int], str]:
     """The ranks that hung (`watched`: rank -> when it was last heard) and why. A rank of raytf's loop still
     before its first step (`before_first`) has hang_timeout_s or limits.first_step_s, whichever is longer,
-    computing or not; the others hang_timeout_s. `who` names ranks as the backend does."""
+    computing or not; the others hang_timeout_s. `who` names ranks as the backend does.
+    `synchronous`: ranks judged by their CPU use (a train_fn that says no steps) in a group whose every step is
+    a collective of all ranks, where an idle rank may only be waiting for a peer that still computes (its
+    longer first trace, the chief's own export or evaluation): the attempt is hung once every rank has stalled."""
     first_s = max(hang_timeout_s, limits.first_step_s)
     hung = sorted(stalled({r: at for r, at in watched.items() if r not in before_first}, now, hang_timeout_s)
                   + stalled({r: at for r, at in watched.items() if r in before_first}, now, first_s))
-    if not hung:
+    if not hung or (synchronous and len(hung) < len(watched)):
         return [], ""
     if set(hung) <= before_first:
         return hung, (f"training hung: no first step from {who(hung)} for {first_s:g}s, computing or not (a "
