@@ -279,3 +279,20 @@ def test_the_tasks_keras_is_the_one_the_spec_names_whatever_the_drivers_environm
 
     monkeypatch.setenv("TF_USE_LEGACY_KERAS", "1")
     assert runtime_env(load(write_job(job_dir, base_spec())))["env_vars"]["TF_USE_LEGACY_KERAS"] == "0"
+
+
+def test_a_survivors_state_starts_the_restart_unless_a_deterministic_run_keeps_more_than_its_weights():
+    # BatchNormalization's statistics and Dropout's random state hold the failed step's forward pass on a survivor:
+    # train.deterministic promises bit-for-bit resumes, which only a checkpoint then gives
+    import keras
+
+    from raytf.actor.mirrored import survivor_state_is_exact
+
+    def model(*layers):
+        return keras.Sequential([keras.Input((4,)), *layers, keras.layers.Dense(2)])
+
+    plain, normalized, dropped = model(), model(keras.layers.BatchNormalization()), model(keras.layers.Dropout(0.5))
+    assert all(survivor_state_is_exact(m, deterministic=False) for m in (plain, normalized, dropped))
+    assert survivor_state_is_exact(plain, deterministic=True)
+    assert not survivor_state_is_exact(normalized, deterministic=True)
+    assert not survivor_state_is_exact(dropped, deterministic=True)

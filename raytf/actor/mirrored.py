@@ -58,6 +58,13 @@ def run(strategy: tf.distribute.Strategy, payload: WorkerPayload, ctx: TaskConte
     return loop.run(MirroredRunner(strategy, payload, ctx), payload, ctx)
 
 
+def survivor_state_is_exact(model: keras.Model, deterministic: bool) -> bool:
+    """Whether a survivor's state may be a restart's starting point (raytf.actor.rescue). It holds the failed step's
+    forward pass in its BatchNormalization statistics and Dropout's random state: a `train.deterministic` run
+    with either resumes bit for bit only from a checkpoint."""
+    return not (deterministic and (steps_lib.synced_state(model) or steps_lib.random_state(model)))
+
+
 class MirroredRunner:
     """raytf's loop under MultiWorkerMirroredStrategy: each step is a `strategy.run` on every worker (its
     gradient all-reduce the step's only collective); metric deltas add up in a per-worker accumulator,
@@ -86,10 +93,7 @@ class MirroredRunner:
         # deterministic run keeps it in its checkpoints, so a resumed run draws the masks it would have drawn.
         randomness = {"random_state": steps_lib.random_state(self.model)} if self.deterministic else {}
         self.state = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer, **randomness)
-        # A survivor's state holds the failed step's forward pass in its BatchNormalization statistics and Dropout's
-        # random state: a deterministic run with either resumes bit for bit only from a checkpoint.
-        self.rescuable = not (self.deterministic and (steps_lib.synced_state(self.model) or
-                                                     randomness.get("random_state")))
+        self.rescuable = survivor_state_is_exact(self.model, self.deterministic)
         loss_fn = steps_lib.build_loss(spec)
         self.train_acc = steps_lib.Accumulator(steps_lib.build_metrics(spec))
         self.eval_acc = steps_lib.Accumulator(steps_lib.build_metrics(spec))
