@@ -15,9 +15,14 @@ three import as usual afterwards; only Keras's own references to them stay empty
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 LEFT_OUT = ("sklearn", "matplotlib", "IPython")
+# Under Keras 3 also SciPy (~0.2 CPU-s): in the import only TensorFlow's own TF1-era Keras (tf.compat.v1's
+# training loops) asks for it, for sparse inputs, and takes its absence. tf-keras (`train.keras: legacy`) decides
+# while importing whether its image augmentations can use scipy.ndimage, so there it stays.
+LEFT_OUT_UNDER_KERAS3 = LEFT_OUT + ("scipy",)
 
 _lean_driver = False  # set by the console script: the driver's process is raytf's own
 
@@ -25,7 +30,8 @@ _lean_driver = False  # set by the console script: the driver's process is raytf
 def import_tensorflow() -> None:
     """Import TensorFlow (and with it Keras 3) with LEFT_OUT's packages hidden from it for the while: Keras
     takes their ImportError as "not installed", its path for optional packages."""
-    hidden = [name for name in LEFT_OUT if name not in sys.modules]
+    legacy = os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true")  # as TensorFlow reads it
+    hidden = [name for name in (LEFT_OUT if legacy else LEFT_OUT_UNDER_KERAS3) if name not in sys.modules]
     for name in hidden:
         sys.modules[name] = None
     try:

@@ -134,7 +134,8 @@ def s3():
 
 @pytest.fixture(scope="session")
 def mlflow():
-    """A real MLflow tracking server on localhost (tests/mlflow_server.py)."""
+    """A real MLflow tracking server on localhost (tests/mlflow_server.py), started by the first test that asks
+    (two of test_cluster's): ~10 CPU-s to start, for an xdist worker that may never need it."""
     from tests import mlflow_server
 
     return mlflow_server.server()
@@ -158,6 +159,7 @@ def _own_runtime_resources_cluster():
         _count = 0
 
         def add_node(self, wait=True, **node_args):
+            node_args.setdefault("include_log_monitor", False)  # (the session's cluster, below)
             if self.head_node is not None:
                 OwnRuntimeResources._count += 1
                 node_args.setdefault("runtime_env_dir_name", f"runtime_resources_node{OwnRuntimeResources._count}")
@@ -173,20 +175,20 @@ def cluster(s3):
     session's S3 server (they inherit its variables)."""
     import ray
 
-    from tests import mlflow_server
-
     OwnRuntimeResources = _own_runtime_resources_cluster()
-    mlflow_server.start_in_background()  # ~8 s of start-up, while Ray starts; the tests that track wait for it
     os.environ["RAY_metrics_report_interval_ms"] = "1000"  # a recorded value in the endpoint within 1 s, not 10
     from tests.ray_head import free_port
 
     # The head's dashboard and its agent on free ports: Ray's defaults (8265, 52365) are fixed, not retried, and
-    # the other xdist worker's cluster may hold them (a head without its dashboard answers no state API call)
+    # the other xdist worker's cluster may hold them (a head without its dashboard answers no state API call).
+    # No log monitor on its nodes, and this process takes no worker output: no test reads the workers' lines
+    # through the session's cluster (raytf's console script shows them only with -v, tested on an embedded Ray),
+    # and a log monitor, listing every log file of the session ten times a second, cost ~37 CPU-s over a run.
     c = OwnRuntimeResources(initialize_head=True, head_node_args={
         "num_cpus": 1, "num_gpus": 0, "dashboard_port": free_port(), "dashboard_agent_listen_port": free_port()})
     gpu_nodes = [c.add_node(num_cpus=1, num_gpus=2) for _ in range(2)]
     c.wait_for_nodes()
-    ray.init(address=c.address)
+    ray.init(address=c.address, log_to_driver=False)
     yield c, gpu_nodes
     ray.shutdown()
     c.shutdown()

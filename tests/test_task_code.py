@@ -168,7 +168,8 @@ def test_ctrl_c_exits_130_and_sigterm_143_each_saying_interrupted(capsys):
 @pytest.mark.parametrize("legacy", ["0", "1"])
 def test_a_task_imports_tensorflow_without_scikit_learn_matplotlib_and_ipython_which_then_import_as_usual(legacy):
     """Keras 3 imports scikit-learn, matplotlib and IPython with TensorFlow (~1.5 CPU-s of every worker's start
-    here); a task's import (and the console script's) leaves them out, and the user's own imports afterwards work.
+    here), and TensorFlow SciPy (~0.15); a task's import (and the console script's) leaves them out, and the user's
+    own imports afterwards work.
     Also under train.keras: legacy, where TensorFlow imports tf-keras and Keras 3 came later, with all three."""
     pytest.importorskip("sklearn")
     pytest.importorskip("matplotlib")
@@ -178,6 +179,9 @@ def test_a_task_imports_tensorflow_without_scikit_learn_matplotlib_and_ipython_w
         from raytf import tf_import
         tf_import.import_tensorflow()
         left_out = not {"sklearn", "matplotlib", "IPython"} & set(sys.modules) and {"tensorflow", "keras"} <= set(sys.modules)
+        left_out = left_out and ("scipy" in sys.modules) == LEGACY  # SciPy too, but where tf-keras decides on it
+        import scipy.sparse
+        assert scipy.sparse.issparse(scipy.sparse.csr_matrix([[1.0]]))
         import IPython
         from keras.src.saving import file_editor
         assert IPython.get_ipython() is None and file_editor.is_ipython_notebook() is False
@@ -188,7 +192,8 @@ def test_a_task_imports_tensorflow_without_scikit_learn_matplotlib_and_ipython_w
         plt.plot([0, 1])
         print(left_out, round(float(sklearn.linear_model.LinearRegression().fit([[0], [1]], [0, 2]).coef_[0]), 6))
     """)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50,
+    proc = subprocess.run([sys.executable, "-c", f"LEGACY = {legacy == '1'}\n" + code], capture_output=True, text=True,
+                          timeout=50,
                           env={**os.environ, "TF_USE_LEGACY_KERAS": legacy})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split("\n")[-2] == "True 2.0", proc.stdout
