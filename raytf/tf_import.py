@@ -19,7 +19,7 @@ import os
 import sys
 
 LEFT_OUT = ("sklearn", "matplotlib", "IPython")
-# Under Keras 3 also SciPy (~0.2 CPU-s): in the import only TensorFlow's own TF1-era Keras (tf.compat.v1's
+# Under Keras 3 also SciPy (~0.15 CPU-s): in the import only TensorFlow's own TF1-era Keras (tf.compat.v1's
 # training loops) asks for it, for sparse inputs, and takes its absence. tf-keras (`train.keras: legacy`) decides
 # while importing whether its image augmentations can use scipy.ndimage, so there it stays.
 LEFT_OUT_UNDER_KERAS3 = LEFT_OUT + ("scipy",)
