@@ -114,6 +114,17 @@ def test_a_rank_that_says_no_steps_is_alive_while_it_computes_and_hung_once_it_s
     result = run_fast(make(tmp_path, one_computes, make_job(tmp_path, train_fn="own:train",
                                                             failure={"hang_timeout_s": 8, "max_restarts": 1}))[0])
     assert result.status == "succeeded" and result.restarts == []
+    # ... but not forever: a peer spinning in its own code for good is no step either (Limits.first_step_s)
+    spins = lambda attempt, task: Script(finish_after=200.0 if attempt == 1 else 5.0, says_steps=False,  # noqa: E731
+                                         cpu_share=0.7 if task.rank == 0 else 0.005)
+    c, world, clock = make(tmp_path, spins, make_job(tmp_path, train_fn="own:train",
+                                                     failure={"hang_timeout_s": 8, "max_restarts": 1}))
+    result = run_fast(c)
+    [restart] = result.restarts
+    assert restart["kind"] == "hang" and restart["ranks"] == [1], restart
+    assert "while rank(s) [0] computed alone" in restart["reason"], restart["reason"]
+    detected_after = restart["time"] - world.groups[0].handles[1].started
+    assert Limits().first_step_s <= detected_after <= Limits().first_step_s + 2 * Limits().poll_interval_s
     # A rank asleep, and its peer blocked on it in a collective: both use next to no CPU, caught as a rank that
     # stops stepping is.
     asleep = lambda attempt, task: Script(finish_after=24.0, says_steps=False,  # noqa: E731

@@ -224,12 +224,19 @@ def hung_ranks(watched: dict[int, float], before_first: set[int], now: float, ha
     before its first step (`before_first`) has hang_timeout_s or limits.first_step_s, whichever is longer,
     computing or not; the others hang_timeout_s. `who` names ranks as the backend does.
     `synchronous`: ranks judged by their CPU use (a train_fn that says no steps) in a group whose every step is
-    a collective of all ranks, where an idle rank may only be waiting for a peer that still computes (its
-    longer first trace, the chief's own export or evaluation): the attempt is hung once every rank has stalled."""
+    a collective of all ranks. There an idle rank may only be waiting for a peer that still computes (its longer
+    first trace, the chief's own export): while one does, the idle ones have the longer deadline too."""
     first_s = max(hang_timeout_s, limits.first_step_s)
     hung = sorted(stalled({r: at for r, at in watched.items() if r not in before_first}, now, hang_timeout_s)
                   + stalled({r: at for r, at in watched.items() if r in before_first}, now, first_s))
-    if not hung or (synchronous and len(hung) < len(watched)):
+    if synchronous and hung and len(hung) < len(watched):
+        computing = sorted(set(watched) - set(hung))
+        hung = stalled(watched, now, first_s)
+        if hung:
+            return hung, (f"training hung: no progress from {who(hung)} for {first_s:g}s while {who(computing)} "
+                          f"computed alone (failure.hang_timeout_s, at least {limits.first_step_s:g}s for a rank "
+                          f"that may be waiting for a peer)")
+    if not hung:
         return [], ""
     if set(hung) <= before_first:
         return hung, (f"training hung: no first step from {who(hung)} for {first_s:g}s, computing or not (a "
