@@ -293,8 +293,14 @@ STATEFUL_MODEL = textwrap.dedent('''
 ''')
 
 
+# Under a loaded CI machine the common stop was once given up (a rank past the step, or no answer in time), which
+# raytf answers by going back to the last checkpoint: correct, but not the path this test is about. One rerun then.
+STOP_GIVEN_UP = "the stop at one step was given up"
+
+
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
+@pytest.mark.flaky(reruns=1, only_rerun=[STOP_GIVEN_UP])
 def test_an_elastic_job_shrinks_keeping_the_effective_batch_and_grows_back_when_a_node_returns(cluster, job_dir):
     """4 workers x 8 rows, global batch 32; a node is lost. 3 workers would need 4/3 accumulation steps or
     32/3 rows, so raytf goes on with 2 workers x 8 rows x 2 accumulation steps: same effective batch,
@@ -341,6 +347,7 @@ def test_an_elastic_job_shrinks_keeping_the_effective_batch_and_grows_back_when_
     # a survivor's state at the last step all 4 finished, resumed on 2: no step lost to the node either
     assert lost["state_from"].startswith("rank ") and lost["steps_lost"] == 0, lost
     assert grown["kind"] == "resized" and (grown["from_workers"], grown["workers"]) == (2, 4)
+    assert grown["stop_step"] is not None, f"{STOP_GIVEN_UP}: {grown['reason']}"
     assert grown["steps_lost"] == 0 and grown["resumed_from_step"] == grown["step_saved"] == grown["stop_step"]
     assert grown["batch"]["global_batch_size"] == 32 and grown["batch"]["accumulation_steps"] == 1
     assert result.workers == 4 and json.loads((job_dir / "runs" / "t" / "result.json").read_text())["workers"] == 4
