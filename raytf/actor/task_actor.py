@@ -222,8 +222,11 @@ class TaskActor:
 # gRPC waits 1 s (its initial reconnect backoff) before it tries a peer again whose server was not up yet at
 # the first try, and the ranks of a job start their servers within a few hundred ms of each other: every start
 # of a strategy (each attempt, each restart) waited ~1 s for it (1.0-1.1 s -> 0.2-0.3 s at 50 ms, digits on 2
-# workers). TensorFlow reads these from TF_GRPC_DEFAULT_OPTIONS whenever it makes a channel.
-GRPC_OPTIONS = {"grpc.initial_reconnect_backoff_ms": "50", "grpc.min_reconnect_backoff_ms": "50"}
+# workers). TensorFlow reads these from TF_GRPC_DEFAULT_OPTIONS whenever it makes a channel. Not
+# grpc.min_reconnect_backoff_ms: gRPC takes it as each connection attempt's deadline too (at least 100 ms), and
+# under load a handshake between two hosts outlasted that ("connection attempt timed out before receiving SETTINGS
+# frame"), which failed the job's first collective (tests/test_multi_host.py, once in CI here).
+GRPC_OPTIONS = {"grpc.initial_reconnect_backoff_ms": "50"}
 
 
 def grpc_default_options(given: str | None) -> str:
