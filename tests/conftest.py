@@ -178,14 +178,17 @@ def cluster(s3):
     OwnRuntimeResources = _own_runtime_resources_cluster()
     os.environ["RAY_metrics_report_interval_ms"] = "1000"  # a recorded value in the endpoint within 1 s, not 10
     from tests.ray_head import free_port
+    from raytf.driver.session import EMBEDDED_RAY_CONFIG
 
     # The head's dashboard and its agent on free ports: Ray's defaults (8265, 52365) are fixed, not retried, and
     # the other xdist worker's cluster may hold them (a head without its dashboard answers no state API call).
     # No log monitor on its nodes, and this process takes no worker output: no test reads the workers' lines
     # through the session's cluster (raytf's console script shows them only with -v, tested on an embedded Ray),
     # and a log monitor, listing every log file of the session ten times a second, cost ~37 CPU-s over a run.
+    # Its nodes prestart no idle workers, as raytf's embedded Ray: no raytf actor could use one (runtime envs).
     c = OwnRuntimeResources(initialize_head=True, head_node_args={
-        "num_cpus": 1, "num_gpus": 0, "dashboard_port": free_port(), "dashboard_agent_listen_port": free_port()})
+        "num_cpus": 1, "num_gpus": 0, "dashboard_port": free_port(), "dashboard_agent_listen_port": free_port(),
+        "_system_config": EMBEDDED_RAY_CONFIG})
     gpu_nodes = [c.add_node(num_cpus=1, num_gpus=2) for _ in range(2)]
     c.wait_for_nodes()
     ray.init(address=c.address, log_to_driver=False)

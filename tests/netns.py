@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tests.ray_head import NO_PRESTART_ENV
+
 BIN = Path(sys.executable).parent  # `ray` and `raytf` of this environment
 ANSWER = "@@answer:"  # marks the line a head-side driver answers on (see Hosts.python)
 GCS_PORT, JOBS_PORT = 6379, 8265
@@ -121,7 +123,7 @@ class Hosts:
         """A user's shell for this cluster: the token, nothing pointing at another Ray."""
         env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
         env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.token, RAY_USAGE_STATS_ENABLED="0",
-                   PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", TF_CPP_MIN_LOG_LEVEL="2")
+                   PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", TF_CPP_MIN_LOG_LEVEL="2", **NO_PRESTART_ENV)
         return env
 
     def start_ray(self, ready_timeout_s: float = 90) -> None:

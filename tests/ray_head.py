@@ -37,6 +37,11 @@ class Head:
     proc: subprocess.Popen = field(repr=False)  # `ray start --block`
 
 
+# The test heads' nodes prestart no idle Python workers, as raytf's embedded Ray (EMBEDDED_RAY_CONFIG): every
+# raytf actor carries a runtime env, so none could use one; each would only import Ray beside the test's work.
+NO_PRESTART_ENV = {"RAY_prestart_worker_first_driver": "0", "RAY_enable_worker_prestart": "0"}
+
+
 def start_head(extra_args=(), extra_env=None, autoscaling_config=None, ready_timeout_s=120):
     """`ray start --head --block` in a new process group; returns (Head, Popen, log path).
 
@@ -54,7 +59,7 @@ def start_head(extra_args=(), extra_env=None, autoscaling_config=None, ready_tim
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
     env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
                 "PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}", "TF_CPP_MIN_LOG_LEVEL": "2",
-                "RAY_USAGE_STATS_ENABLED": "0", **(extra_env or {})})
+                "RAY_USAGE_STATS_ENABLED": "0", **NO_PRESTART_ENV, **(extra_env or {})})
     log_path = Path(temp_dir) / "ray-start.log"
     cmd = [str(BIN / "ray"), "start", "--head", "--block", f"--port={gcs_port}", f"--dashboard-port={dash_port}",
            "--include-dashboard=true", f"--temp-dir={temp_dir}", f"--ray-client-server-port={free_port()}",

@@ -91,7 +91,7 @@ def ray_session(address: str | None = None, verbose: bool = False) -> Iterator[s
         else:
             # "local": a fresh Ray of our own. A bare ray.init() would join whatever cluster was started
             # last on this machine (/tmp/ray/ray_current_cluster) -- someone else's, or a test's.
-            _init("local", dict(include_dashboard=False, **options))
+            _init("local", dict(include_dashboard=False, _system_config=EMBEDDED_RAY_CONFIG, **options))
             _set_embedded(True)
             hint = _local_logs()
         _keep_handler(signal.SIGTERM, term)
@@ -109,6 +109,13 @@ def ray_session(address: str | None = None, verbose: bool = False) -> Iterator[s
             scratch.sweep(tempfile.gettempdir(), grace_s=SHUTDOWN_GRACE_S, since=started)
         if mode is not None:
             set_auth_mode(None)
+
+
+# An embedded Ray's node starts no idle Python workers ahead of need: Ray prestarts one per CPU when the first
+# driver connects, but raytf's actors and tasks all carry a runtime env (the job folder), which no prestarted
+# worker has, so each would be started, import Ray (~1 CPU-s) and idle beside the tasks' TensorFlow start-up.
+# Measured on `raytf run jobs/digits.yaml`, 5 pairs: 0.92x the wall time, ~1.4 CPU-s less (BENCHMARKS.md).
+EMBEDDED_RAY_CONFIG = {"prestart_worker_first_driver": False, "enable_worker_prestart": False}
 
 
 def _init(address: str, options: dict) -> None:
