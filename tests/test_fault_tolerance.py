@@ -73,7 +73,9 @@ def test_a_killed_worker_costs_one_restart_and_no_step_and_the_run_ends_where_it
     left_by_a_killed_task = made_by_a_process_that_exited(tempfile.gettempdir())
     temp_before = task_files_in_temp_dir()
     killer = Killer(rank=1, at_step=130, attempts={1})
-    job = load(write_job(job_dir, ft_spec(job_dir, name="killed")))
+    # max_restarts 1: the one restart it needs; with restarts left after it, the restarted attempt would start
+    # two more warm standbys nobody uses (~10 CPU-s)
+    job = load(write_job(job_dir, ft_spec(job_dir, name="killed", failure={"max_restarts": 1, "hang_timeout_s": 60})))
     counted: dict[str, list[float]] = {"0": [], "1": []}  # rank -> its steps counted so far, scrape after scrape
     dashboard = prometheus.DashboardWatch(prometheus_server, "killed")
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
