@@ -23,21 +23,20 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(420), pytest.mark.flaky(r
 
 
 def test_the_cnn_job_trains_on_two_workers_to_identical_weights(tmp_path, cluster):
-    """jobs/shapes.yaml from inside a copy of jobs/, on the session's cluster (`--address`)."""
+    """jobs/shapes.yaml as written (8 epochs) from inside a copy of jobs/, on the session's cluster (`--address`).
+    Not fewer: at epoch 5 the validation accuracy was 0.746 on one machine (training 0.976; epoch 6: 0.996),
+    run after run, and >= 0.9 on another: oneDNN's numerics differ with the CPU's instructions."""
     jobs = tmp_path / "jobs"
     shutil.copytree(REPO / "jobs", jobs, ignore=shutil.ignore_patterns("__pycache__", "criteo-*"))
     before = files_under(jobs)
-    proc = run_on_cluster(["run", "shapes.yaml", "--set", "train.epochs=5"], jobs, cluster, timeout=400,
+    proc = run_on_cluster(["run", "shapes.yaml"], jobs, cluster, timeout=400,
                           extra_env={"PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "runs" / "shapes" / "result.json").read_text())
     history = result["history"]
     assert history[-1]["loss"] < history[0]["loss"] / 3
-    # Trained: some epoch scores >= 0.9 on the held-out pictures. Not necessarily the last: with a constant rate a
-    # BatchNormalization CNN's validation accuracy can dip for an epoch (0.746 at epoch 5 of one run here, its
-    # training loss down 3x; float sums in the all-reduce differ from run to run, so the dip moves).
-    assert max(h["val_accuracy"] for h in history) >= 0.9, history
-    assert [h["val_examples"] for h in history] == [480] * 5  # every picture once, each epoch
+    assert history[-1]["val_accuracy"] >= 0.9, history  # trained
+    assert [h["val_examples"] for h in history] == [480] * 8  # every picture once, each epoch
     assert len({t["weights_digest"] for t in result["tasks"]}) == 1 and len(result["tasks"]) == 2
     assert files_under(jobs) == before  # nothing new in the job folder
     assert_quiet(proc)
