@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from raytf.driver.session import EMBEDDED_RAY_CONFIG
 import requests
 
 BIN = Path(sys.executable).parent  # `ray` and `raytf` of this environment
@@ -37,9 +39,9 @@ class Head:
     proc: subprocess.Popen = field(repr=False)  # `ray start --block`
 
 
-# The test heads' nodes prestart no idle Python workers, as raytf's embedded Ray (EMBEDDED_RAY_CONFIG): every
-# raytf actor carries a runtime env, so none could use one; each would only import Ray beside the test's work.
-NO_PRESTART_ENV = {"RAY_prestart_worker_first_driver": "0", "RAY_enable_worker_prestart": "0"}
+# The test heads' nodes prestart no idle Python workers, as raytf's embedded Ray: its settings, as Ray reads them
+# from a node's environment
+NO_PRESTART_ENV = {f"RAY_{key}": str(int(value)) for key, value in EMBEDDED_RAY_CONFIG.items()}
 
 
 def start_head(extra_args=(), extra_env=None, autoscaling_config=None, ready_timeout_s=120):
