@@ -1,10 +1,13 @@
-"""`raytf run jobs/digits.yaml` on an embedded Ray, side by side in one run: today's embedded Ray, whose node
-prestarts no idle Python workers (`raytf.driver.session.EMBEDDED_RAY_CONFIG`), against Ray's default (one idle
-worker per CPU started when the driver connects, none of which a raytf actor can use: they all carry a runtime
-env). Interleaved per rep, each in a fresh copy of jobs/; the wall seconds and the whole machine's busy
-CPU-seconds meanwhile (/proc/stat: Ray's daemons and workers are not the command's children).
+"""`raytf run jobs/digits.yaml` on an embedded Ray, side by side in one run, each way interleaved per rep in a
+fresh copy of jobs/: the wall seconds and the whole machine's busy CPU-seconds meanwhile (/proc/stat: Ray's
+daemons and workers are not the command's children).
 
-    python benchmarks/bench_embedded_start.py [--reps 5]
+- today: this checkout (its embedded Ray prestarts no idle Python workers, `EMBEDDED_RAY_CONFIG`; the task
+  processes get the job's code from raytf, with no Ray runtime env: `raytf.driver.packaging.pack_code`);
+- today with Ray's default prestart (one idle worker per CPU when the driver connects);
+- with `--previous <checkout>`: that checkout's raytf (e.g. a clone of the previous head), the baseline.
+
+    python benchmarks/bench_embedded_start.py [--reps 5] [--previous /path/to/previous/checkout]
 """
 from __future__ import annotations
 
@@ -20,10 +23,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = "from raytf.cli import main; main()"
-WAYS = {
-    "no prestarted workers (today)": RUN,
-    "Ray's default prestart (before)": "import raytf.driver.session as s; s.EMBEDDED_RAY_CONFIG.clear(); " + RUN,
-}
 
 
 def busy_core_s() -> float:
@@ -31,27 +30,36 @@ def busy_core_s() -> float:
     return (int(fields[0]) + int(fields[1]) + int(fields[2])) / os.sysconf("SC_CLK_TCK")
 
 
-def one_run(code: str) -> tuple[float, float]:
+def one_run(code: str, checkout: Path = REPO) -> tuple[float, float]:
+    # PYTHONPATH: the driver and (an embedded Ray's workers inherit it) the tasks import this checkout's raytf
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
     with tempfile.TemporaryDirectory() as tmp:
         shutil.copytree(REPO / "jobs", Path(tmp) / "jobs", ignore=shutil.ignore_patterns("__pycache__"))
         busy, start = busy_core_s(), time.monotonic()
         subprocess.run([sys.executable, "-c", code, "run", "jobs/digits.yaml"], cwd=tmp, check=True,
-                       capture_output=True)
+                       capture_output=True, env=env)
         return time.monotonic() - start, busy_core_s() - busy
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--previous", type=Path, help="another checkout of raytf: the baseline")
     args = parser.parse_args()
+    ways = {"today": (RUN, REPO),
+            "today, Ray's default prestart": ("import raytf.driver.session as s; s.EMBEDDED_RAY_CONFIG.clear(); " + RUN,
+                                              REPO)}
+    if args.previous:
+        ways[f"previous ({args.previous.name})"] = (RUN, args.previous.resolve())
+    baseline = list(ways)[-1]
     one_run(RUN)  # warm-up: the file cache
-    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in WAYS}
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in ways}
     for _ in range(args.reps):
-        for name, code in WAYS.items():
-            runs[name].append(one_run(code))
-    base_wall = statistics.median(w for w, _ in runs["Ray's default prestart (before)"])
-    base_busy = statistics.median(b for _, b in runs["Ray's default prestart (before)"])
-    print("| embedded Ray | wall s (median) | vs before | busy core-s (median) | vs before |")
+        for name, (code, checkout) in ways.items():
+            runs[name].append(one_run(code, checkout))
+    base_wall = statistics.median(w for w, _ in runs[baseline])
+    base_busy = statistics.median(b for _, b in runs[baseline])
+    print(f"| embedded Ray | wall s (median) | vs {baseline} | busy core-s (median) | vs {baseline} |")
     print("|---|---:|---:|---:|---:|")
     for name, values in runs.items():
         wall, busy = statistics.median(w for w, _ in values), statistics.median(b for _, b in values)

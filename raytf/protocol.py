@@ -1,6 +1,6 @@
 """What the driver and the actors send each other, as types both sides (and the tests' fakes) share.
 
-The driver sends each task a WorkerPayload; a task answers a poll with its Progress, a drain notice's stop
+A task process starts with the job's TaskCode; the driver sends each task a WorkerPayload; a task answers a poll with its Progress, a drain notice's stop
 request with a StopAnswer, and its train call with an Outcome. Frozen dataclasses (picklable for Ray): a
 field renamed on one side breaks the other at once. result.json stays plain dicts (raytf.driver.report).
 """
@@ -18,6 +18,26 @@ if TYPE_CHECKING:  # a field's type only: raytf.checkpoint would bring pyarrow.f
     from raytf.checkpoint import CheckpointInfo
 
 OUTPUTS = "outputs"  # in output.dir: what the chief's script wrote into its working folder (ctx.output_dir)
+
+
+@dataclasses.dataclass(frozen=True)
+class CodePackage:
+    """A folder (or module file) of the job's code, zipped on the driver by Ray's own packaging function and
+    kept in Ray's object store. `name` is Ray's content hash of it: the folder it unpacks to on a node."""
+
+    name: str
+    data: Any = dataclasses.field(compare=False, repr=False)  # an ObjectRef to the zip's bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskCode:
+    """What a task process needs before anything else (raytf.actor.code): the job folder, the modules found only
+    in the driver's working directory, and the environment variables TensorFlow reads when it is imported.
+    Equal for two jobs whose code and variables are equal (a sweep's kept processes are matched on it)."""
+
+    working_dir: CodePackage
+    modules: tuple[CodePackage, ...] = ()
+    env_vars: tuple[tuple[str, str], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,7 @@ from typing import Any
 from raytf import sweep
 from raytf.driver.callbacks import Callback, TrialStopped
 from raytf.job import Job
+from raytf.protocol import TaskCode
 from raytf.storage import Folder
 from raytf.sweep_plan import RESTORES, Suggested
 
@@ -76,7 +77,7 @@ class TuneReport(Callback):
                 from None
 
 
-def run_trial(config: dict[str, Any], jobs: dict[str, Job], code_env: dict[str, Any],
+def run_trial(config: dict[str, Any], jobs: dict[str, Job], code: TaskCode,
               suggested: Suggested | None = None, pauses: bool = False, tracking_parent: str | None = None,
               reuse: bool = False, scheduler: str | None = None) -> None:
     """One trial: the point's job on the trial's placement group, each epoch reported to Tune (TuneReport). A
@@ -123,7 +124,7 @@ def run_trial(config: dict[str, Any], jobs: dict[str, Job], code_env: dict[str, 
     try:
         run.execute(job, resume=resume, display=ProgressDisplay(quiet=True), previous=previous, latest=latest,
                     callbacks=[report], tracking_parent=tracking_parent,
-                    placement_group=ray.util.get_current_placement_group(), code_env=code_env,
+                    placement_group=ray.util.get_current_placement_group(), code=code,
                     keep_processes=reuse)
         report.report_held()
     except BaseException:  # the job's workers, kept when it succeeded, are not for the next trial now

@@ -159,8 +159,7 @@ def _run_held(prepared: PreparedSweep, display: ProgressDisplay, resume: bool, v
     packaging.mark_output(out)  # a later job in the same job folder leaves the sweep's outputs out
     storage.write_json(POINTS_FILE, _points_state(prepared))
 
-    code_env = packaging.upload_code(packaging.runtime_env(prepared.base), verbose=verbose, note=display.message)
-    _unpack_everywhere(code_env, display)
+    code = packaging.pack_code(prepared.base, verbose=verbose, note=display.message)  # once, for every trial
     suggested = Suggested(prepared.base, section, prepared.source, [dict(n) for n in nodes]) \
         if prepared.suggests else None
     if suggested is None:
@@ -178,7 +177,7 @@ def _run_held(prepared: PreparedSweep, display: ProgressDisplay, resume: bool, v
     finished, ended = False, "failed"
     try:  # from the parent run's opening on: whatever ends the sweep closes it
         trainable = tune.with_resources(tune.with_parameters(
-            run_trial, jobs=prepared.jobs, code_env=code_env, suggested=suggested, pauses=paused,
+            run_trial, jobs=prepared.jobs, code=code, suggested=suggested, pauses=paused,
             tracking_parent=parent.run_id if parent else None, reuse=reuse,
             scheduler=section.scheduler.name if section.scheduler else None), resources=resources)
         started = time.time()
@@ -235,28 +234,6 @@ def _run_held(prepared: PreparedSweep, display: ProgressDisplay, resume: bool, v
             ship(out, storage, failing=not finished)
             if all(p.name == STAGING_MARK for p in out.iterdir()):  # all shipped: the folder goes
                 shutil.rmtree(out, ignore_errors=True)
-
-
-def _unpack_everywhere(code_env: dict[str, Any], display: ProgressDisplay, timeout_s: float = 120.0) -> None:
-    """Unpack the job folder on every node before any trial starts. Ray unpacks a working_dir on a node
-    the first time that node's runtime-env agent meets it, replacing any copy already there: where nodes
-    share a disk (several raylets on one machine, as in ray.cluster_utils), a later trial's first actor on
-    one node would pull the folder from under the running actors of another node (their working directory
-    vanishes: FileNotFoundError). Unpacking first also takes the download off every trial's start."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    @ray.remote(num_cpus=0, max_retries=0)
-    def unpacked() -> str:
-        return os.getcwd()
-
-    refs = [unpacked.options(runtime_env=code_env, scheduling_strategy=NodeAffinitySchedulingStrategy(
-        node["NodeID"], soft=False)).remote() for node in ray.nodes() if node.get("Alive")]
-    try:
-        ray.get(refs, timeout=timeout_s)
-    except Exception as exc:  # best effort: trials unpack it themselves anyway
-        display.message(f"raytf: could not unpack the job folder on every node first ({type(exc).__name__}); "
-                        f"trials will unpack it as they start")
 
 
 class _NoRepeats(logging.Filter):

@@ -141,31 +141,17 @@ def mlflow():
     return mlflow_server.server()
 
 
-def _own_runtime_resources_cluster():
+def _quiet_cluster():
     from ray.cluster_utils import Cluster
 
-    class OwnRuntimeResources(Cluster):
-        """A local cluster whose nodes each unpack runtime envs into a folder of their own, as machines do.
-
-        The nodes of ray.cluster_utils.Cluster share one session folder, so by default one
-        <session>/runtime_resources/working_dir_files/<package>. Each node's runtime-env agent keeps its own
-        URI cache, and on a miss unpacks with overwrite=True: download_and_unpack_package removes the folder
-        first (ray/_private/runtime_env/working_dir.py WorkingDirPlugin.create, packaging.py). A node meeting a
-        job's package for the first time (every node at a job's start; a node added for a test) so deletes
-        the working directory of the actors another node started there a moment before: their
-        os.getcwd() (TaskActor.__init__) raises FileNotFoundError. The head keeps Ray's default name: a
-        driver connecting to the cluster packs in <session>/runtime_resources (ray.init's scratch_dir)."""
-
-        _count = 0
+    class QuietCluster(Cluster):
+        """A local cluster whose nodes run no log monitor (the session's cluster, below)."""
 
         def add_node(self, wait=True, **node_args):
-            node_args.setdefault("include_log_monitor", False)  # (the session's cluster, below)
-            if self.head_node is not None:
-                OwnRuntimeResources._count += 1
-                node_args.setdefault("runtime_env_dir_name", f"runtime_resources_node{OwnRuntimeResources._count}")
+            node_args.setdefault("include_log_monitor", False)
             return super().add_node(wait, **node_args)
 
-    return OwnRuntimeResources
+    return QuietCluster
 
 
 @pytest.fixture(scope="session")
@@ -175,7 +161,7 @@ def cluster(s3):
     session's S3 server (they inherit its variables)."""
     import ray
 
-    OwnRuntimeResources = _own_runtime_resources_cluster()
+    QuietCluster = _quiet_cluster()
     os.environ["RAY_metrics_report_interval_ms"] = "1000"  # a recorded value in the endpoint within 1 s, not 10
     from tests.ray_head import free_port
     from raytf.driver.session import EMBEDDED_RAY_CONFIG
@@ -186,7 +172,7 @@ def cluster(s3):
     # through the session's cluster (raytf's console script shows them only with -v, tested on an embedded Ray),
     # and a log monitor, listing every log file of the session ten times a second, cost ~37 CPU-s over a run.
     # Its nodes prestart no idle workers, as raytf's embedded Ray: no raytf actor could use one (runtime envs).
-    c = OwnRuntimeResources(initialize_head=True, head_node_args={
+    c = QuietCluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "num_gpus": 0, "dashboard_port": free_port(), "dashboard_agent_listen_port": free_port(),
         "_system_config": EMBEDDED_RAY_CONFIG})
     gpu_nodes = [c.add_node(num_cpus=1, num_gpus=2) for _ in range(2)]

@@ -9,8 +9,11 @@ from typing import Any, Callable
 
 from raytf.driver.group import Finished, TaskError
 from raytf.errors import PlacementTimeout, PortTaken, WorkerStartupError
-from raytf.protocol import CheckpointSaved, DrainStop, Outcome, Progress, StopAnswer
+from raytf.protocol import CheckpointSaved, CodePackage, DrainStop, Outcome, Progress, StopAnswer, TaskCode
 from raytf.rendezvous import ActorLocation
+
+# What a run given it packs no job folder (the fakes start no process that would unpack one).
+NO_CODE = TaskCode(CodePackage("no-code", None))
 
 
 class FakeClock:
@@ -273,12 +276,12 @@ class FakeResources:
     def release(self, pg) -> None:
         self.released.append(pg)
 
-    def new_group(self, pg, bundles, env, standby, names=None) -> FakeGroup:
+    def new_group(self, pg, bundles, code, standby, names=None) -> FakeGroup:
         group = FakeGroup(self, bundles, names)
         self.groups.append(group)
         return group
 
-    def fill_standby(self, pg, env, tasks, job="") -> None:
+    def fill_standby(self, pg, code, tasks, job="") -> None:
         self.standby_filled.append(len(tasks))
 
     def take_standby(self, pg, count: int) -> dict:
@@ -293,7 +296,7 @@ class FakeResources:
         self.kept = (group, list(tasks), key)
         return True
 
-    def take_kept(self, pg, key, env, count):
+    def take_kept(self, pg, key, code, count):
         kept, self.kept = self.kept, None
         self.kept_asked.append(key)
         if kept is not None and key is not None and kept[2] == key and len(kept[1]) == count:

@@ -90,9 +90,7 @@ def rank_one_data(marker: str = "", delay_s: float = 0.0, stall_at: int | None =
 @contextlib.contextmanager
 def an_extra_node(cluster):
     """A 1-CPU node added to the test cluster for the test, and a `kill` for Killer that removes it as a
-    lost machine goes: at once, not gracefully. (The node unpacks runtime envs into a folder of its own:
-    tests/conftest.py's OwnRuntimeResources. Sharing the others', its agent, new to every package, once
-    removed the working directory of a task another node had just started there.)"""
+    lost machine goes: at once, not gracefully."""
     c, _ = cluster
     extra = c.add_node(num_cpus=1)
     c.wait_for_nodes()

@@ -37,7 +37,7 @@ def make_job(tmp_path, **sections) -> Job:
 def make(tmp_path, script, job, resume=False, **world):
     clock = FakeClock()
     resources = FakeResources(clock, script, **world)
-    return Controller(job, resources, env={}, clock=clock, resume=resume), resources, clock
+    return Controller(job, resources, code=None, clock=clock, resume=resume), resources, clock
 
 
 def run_fast(c: Controller):
@@ -670,7 +670,7 @@ def test_a_train_fn_that_reported_nothing_and_saved_no_model_is_told_how(tmp_pat
     job = make_job(tmp_path, model=None, train_fn="tmodel:train")
     clock = FakeClock()
     world = FakeResources(clock, lambda attempt, task: Script(outcome={"history": []}))
-    c = Controller(job, world, env={}, clock=clock, display=ProgressDisplay(stream=shown))
+    c = Controller(job, world, code=None, clock=clock, display=ProgressDisplay(stream=shown))
     assert run_fast(c).status == "succeeded"
     said = shown.getvalue()
     assert "the train_fn reported no epoch: call ctx.report(metrics)" in said, said
@@ -691,7 +691,7 @@ def test_a_free_form_config_section_reaches_the_train_fns_ctx():
 
 def _trial(tmp_path, world, clock, name, callbacks=(), **sections):
     job = make_job(tmp_path / name, **sections)
-    return Controller(job, world, env={}, clock=clock, placement_group="trial-pg", callbacks=callbacks)
+    return Controller(job, world, code=None, clock=clock, placement_group="trial-pg", callbacks=callbacks)
 
 
 def test_a_sweep_trial_runs_in_the_last_trials_processes_when_they_match_and_only_then(tmp_path):

@@ -115,3 +115,46 @@ def test_a_submit_from_a_folder_with_credentials_packs_none_of_them_and_says_so(
     monkeypatch.setenv("HOME", str(job))  # a job folder that is the home folder travels whole: refused
     with pytest.raises(SpecError, match="your home folder"):
         jobs_api.prepare(job / "job.yaml")
+
+
+def test_a_task_process_gets_the_job_folder_and_the_drivers_modules_unpacked_once_per_node(tmp_path, monkeypatch):
+    """pack_code zips the job folder (as Ray's runtime env would, outputs left out) and a model package found only
+    in the driver's working directory; a task process (raytf.actor.task_code) sets TensorFlow's variables, unpacks
+    both, and imports from them. Tasks unpacking at once on one node share one folder, never replaced."""
+    import concurrent.futures
+    import os
+    import sys
+
+    from raytf.actor import task_code
+
+    job_dir, driver_cwd = tmp_path / "job", tmp_path / "driver"
+    (driver_cwd / "shared_models").mkdir(parents=True)
+    (driver_cwd / "shared_models" / "__init__.py").write_text("from shared_models.net import build\n")
+    (driver_cwd / "shared_models" / "net.py").write_text("def build():\n    return 'built'\n")
+    job_dir.mkdir()
+    (job_dir / "run.sh").write_text("#!/bin/sh\n")
+    (job_dir / "run.sh").chmod(0o755)
+    _result(job_dir / "runs" / "t")
+    monkeypatch.chdir(driver_cwd)
+    (job_dir / "job.yaml").write_text("name: t\n")
+    job = Job(spec=parse(base_spec(model="shared_models:build")), job_dir=job_dir, source="job.yaml")
+    code = packaging.pack_code(job, store=lambda data: data)
+    assert [m.name.startswith("_ray_pkg_") for m in code.modules] == [True]
+    assert dict(code.env_vars)["TF_USE_LEGACY_KERAS"] == "0"
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    monkeypatch.setattr(task_code, "_session_dir", lambda: str(tmp_path / "node"))
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:  # four tasks of one node starting together
+        roots = list(pool.map(lambda _: task_code.install(code), range(4)))
+    assert len(set(roots)) == 1 and os.environ["TF_USE_LEGACY_KERAS"] == "0"
+    root = Path(roots[0])
+    assert sorted(p.name for p in root.iterdir()) == ["job.yaml", "run.sh"]  # runs/ (outputs) stayed behind
+    assert os.access(root / "run.sh", os.X_OK)
+    assert sorted(p.name for p in (tmp_path / "node" / "raytf_code").iterdir()) == sorted(
+        [code.working_dir.name] + [m.name for m in code.modules])  # nothing half-unpacked left
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "shared_models", raising=False)
+    import shared_models
+
+    assert shared_models.build() == "built" and shared_models.__file__.startswith(str(tmp_path / "node"))

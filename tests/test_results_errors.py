@@ -238,7 +238,7 @@ def test_a_restart_whose_checkpoint_listing_fails_fails_the_job_naming_the_folde
     world = FakeResources(clock, script)
     try:
         with pytest.raises(RaytfError) as raised:
-            Controller(job, world, env={}, clock=clock).run()
+            Controller(job, world, code=None, clock=clock).run()
     finally:
         proxy.close()
     said = str(raised.value)

@@ -12,6 +12,7 @@ from raytf.driver import controller, run, session
 from raytf.driver.callbacks import TrialStopped
 from raytf.driver.report import ProgressDisplay, Result
 from tests.conftest import base_spec, write_job
+from tests.fakes import NO_CODE
 
 
 class StandInController:
@@ -84,7 +85,7 @@ def test_a_stopped_trial_is_stopped_in_result_json_with_the_reason_and_its_attem
     loaded = job.load(write_job(job_dir, base_spec()), check_code=False)
     stop = no_ray.ends = TrialStopped("stopped early by tune.scheduler asha after epoch 1")
     with pytest.raises(SystemExit):  # what Tune expects from a trial it stopped
-        run.execute(loaded, resume=False, display=ProgressDisplay(quiet=True), code_env={})
+        run.execute(loaded, resume=False, display=ProgressDisplay(quiet=True), code=NO_CODE)
     written = json.loads((loaded.output_dir / "result.json").read_text())
     assert written["status"] == "stopped" and written["error"] == stop.reason
     from raytf import results
@@ -95,7 +96,7 @@ def test_a_stopped_trial_is_stopped_in_result_json_with_the_reason_and_its_attem
 def test_a_trial_result_json_has_the_keys_of_a_run_result_json(job_dir, no_ray):
     """Both are raytf.driver.report.Result, written through the same lifecycle: the same top-level keys."""
     loaded = job.load(write_job(job_dir, base_spec()), check_code=False)
-    run.execute(loaded, resume=False, display=ProgressDisplay(quiet=True), code_env={})
+    run.execute(loaded, resume=False, display=ProgressDisplay(quiet=True), code=NO_CODE)
     written = json.loads((loaded.output_dir / "result.json").read_text())
     assert set(written) == {f for f in Result.__dataclass_fields__}
     assert [a["attempt"] for a in written["attempts"]] == [1] and written["attempts"][0]["started"]

@@ -12,6 +12,7 @@ from raytf import tracking
 from raytf.errors import SpecError
 from raytf.job import load, parse
 from tests.conftest import base_spec, write_job
+from tests.fakes import NO_CODE
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -103,7 +104,7 @@ def test_a_run_that_ends_before_its_controller_runs_is_closed_with_its_status(jo
     monkeypatch.setattr(controller, "start", refuse)
     job = load(write_job(job_dir, base_spec(tracking={"mlflow": {"uri": "http://127.0.0.1:9"}})), check_code=False)
     with pytest.raises(type(raised)):
-        run.execute(job, resume=False, display=ProgressDisplay(quiet=True), code_env={})
+        run.execute(job, resume=False, display=ProgressDisplay(quiet=True), code=NO_CODE)
     written = json.loads((job.output_dir / "result.json").read_text())
     assert written["status"] == status and written["attempts"][0]["ended_because"].startswith(status)
     assert recorded.calls == [("artifacts", ["result.json"]), ("end", status)]  # the closed result.json logged

@@ -19,10 +19,10 @@ from typing import Any
 import ray
 
 from raytf import tf_import
-from raytf.actor import raised, scratch, workdir
+from raytf.actor import raised, scratch, task_code, workdir
 from raytf.actor.channel import TaskChannel
 from raytf.actor.context import TaskContext
-from raytf.protocol import OUTPUTS, Outcome, Progress, StopAnswer, WorkerPayload
+from raytf.protocol import OUTPUTS, Outcome, Progress, StopAnswer, TaskCode, WorkerPayload
 from raytf.rendezvous import ActorLocation, Task
 
 # How long a failed task gives its checkpoint upload in flight to finish before it reports the failure, and a
@@ -34,8 +34,10 @@ UPLOAD_SETTLE_AT_STOP_S = 1.5
 class TaskActor:
     """Created with max_concurrency=2, so `progress` is answered while `train` runs."""
 
-    def __init__(self, bundle_index: int, port: int = 0):
+    def __init__(self, bundle_index: int, port: int = 0, code: TaskCode | None = None):
         self._bundle_index = bundle_index
+        # the job folder on this node, shared by its tasks (none given: the working directory, as a test's)
+        self._job_root = task_code.install(code) if code is not None else os.getcwd()
         # Hold the port until TensorFlow binds it, so no other process takes it meanwhile. TF's gRPC
         # server does not set SO_REUSEPORT, so the hold is released right before TF starts. A given port
         # is a replacement taking over a dead task's address.
@@ -51,7 +53,6 @@ class TaskActor:
         self._started = None  # what it started: the strategy, or a parameter-server task's TF server
         self._scratch = self._staging = None  # this task's folder on the node, made in setup
         self._tempdir_before = tempfile.tempdir
-        self._job_root = os.getcwd()  # the job folder as Ray unpacked it on this node, shared by its tasks
         self._jobs = 0  # jobs set up in this process (more than one: a sweep's trials, one after another)
         self._training_thread: int | None = None  # the thread `train` runs in (its stack leads a hang's report)
         # Import TensorFlow while the rendezvous goes on (seconds of CPU; reading TF_CONFIG and starting

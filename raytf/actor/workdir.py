@@ -1,8 +1,8 @@
 """A task's own working folder: the job folder's entries, linked, in a folder of the task's own.
 
-Ray unpacks a job's folder once per node and starts every actor of the job there, so two tasks on one node
-writing the same relative path (TensorFlow's custom-training tutorial saves `./training_checkpoints/ckpt` on
-every worker) collide. Each task runs in a folder of its own instead, inside its scratch folder (removed
+A job's folder is unpacked once per node (raytf.actor.task_code) and every task of the job starts in it, so two
+tasks on one node writing the same relative path (TensorFlow's custom-training tutorial saves
+`./training_checkpoints/ckpt` on every worker) collide. Each task runs in a folder of its own instead, inside its scratch folder (removed
 when the task ends): the job's files and folders appear there as links, so reading them works as before,
 and a new relative file or folder is this task's alone. Pure file-system work: no Ray, no TensorFlow.
 """

@@ -24,13 +24,13 @@ from raytf.driver.callbacks import Callback
 from raytf.driver.drain import DrainWatch
 from raytf.driver.failure import Failure
 from raytf.driver.group import Finished, Resources, TaskError, WorkerGroup
-from raytf.driver.packaging import runtime_env, upload_code
+from raytf.driver.packaging import pack_code
 from raytf.driver.policy import (Heard, Limits, ReplacementPolicy, RestartPolicy, ScalingPolicy, elastic_batch, heard,
                                  hung_ranks, spec_for_workers)
 from raytf.driver.report import ProgressDisplay, Result
 from raytf.errors import PlacementTimeout, PortTaken, TrainingFailed, WorkerStartupError
 from raytf.job import Job
-from raytf.protocol import Outcome
+from raytf.protocol import Outcome, TaskCode
 from raytf.rendezvous import Task
 
 PLACING, STARTING, RUNNING, RESTARTING, DONE, FAILED = "placing", "starting", "running", "restarting", "done", "failed"
@@ -49,14 +49,14 @@ class Controller:
     the checkpoint a resumed run starts from, when the caller has listed checkpoint.dir already (the folder
     is then listed again only for a restart)."""
 
-    def __init__(self, job: Job, resources: Resources, *, env: dict[str, Any], limits: Limits = Limits(),
+    def __init__(self, job: Job, resources: Resources, *, code: TaskCode | None, limits: Limits = Limits(),
                  clock=WallClock, display: ProgressDisplay | None = None, resume: bool = False,
                  callbacks: Sequence[Callback] = (), placement_group=None,
                  attempts: list[dict[str, Any]] | None = None, first_checkpoint=UNLISTED):
         self.job, self.spec = job, job.spec
         self.callbacks = list(callbacks)
         self.backend = backends.get(self.spec.strategy)
-        self.resources, self.env, self.limits, self.clock = resources, env, limits, clock
+        self.resources, self.code, self.limits, self.clock = resources, code, limits, clock  # code: None with fakes
         self.display = display or ProgressDisplay(quiet=True)
         self.epochs = EpochFeed(self.display, self.callbacks)
         self.resume = resume
@@ -212,7 +212,7 @@ class Controller:
             warm = self.resources.take_standby(self.pg, len(a.bundles))
             if self.decisions:
                 self.decisions[-1]["standby"] = len(warm)  # warm processes promoted (0: all new)
-        a.group = self.resources.new_group(self.pg, a.bundles, self.env, warm,
+        a.group = self.resources.new_group(self.pg, a.bundles, self.code, warm,
                                            names=lambda nodes: self.backend.actor_names(a.spec, nodes))
         try:
             a.tasks = self.backend.assign(a.group.start(timeout_s), a.spec)
@@ -231,9 +231,9 @@ class Controller:
 
     def _take_kept(self):
         """A sweep's previous trial's group, kept in this process, when this job can run in it (its first
-        attempt, the same key, placement group and env); a kept group that cannot serve is let go here."""
+        attempt, the same key, placement group and code); a kept group that cannot serve is let go here."""
         key = None if self.decisions else self.backend.process_key(self.attempt.spec)
-        return self.resources.take_kept(self.pg, key, self.env, len(self.attempt.bundles))
+        return self.resources.take_kept(self.pg, key, self.code, len(self.attempt.bundles))
 
     def _process_key(self) -> str | None:
         """The key this attempt's group could be kept under for a sweep's next trial (raytf.actor.reuse); None
@@ -436,7 +436,7 @@ class Controller:
         a = self.attempt
         a.standby_armed = True
         if self.backend.supports_standby and self.restart_policy.restarts_left(self.decisions) > 0:  # else unused
-            self.resources.fill_standby(self.pg, self.env, a.tasks, self.spec.name)
+            self.resources.fill_standby(self.pg, self.code, a.tasks, self.spec.name)
 
     def _last_epochs(self) -> None:
         """The epochs the chief finished since the last poll (a train_fn may report one and fail at once)."""
@@ -467,11 +467,11 @@ class Controller:
 
 def start(job: Job, group_cls: Callable[..., WorkerGroup] | None = None,
           display: ProgressDisplay | None = None, resume: bool = False, callbacks: Sequence[Callback] = (),
-          placement_group=None, code_env: dict[str, Any] | None = None, verbose: bool = False,
+          placement_group=None, code: TaskCode | None = None, verbose: bool = False,
           resources: Resources | None = None, clock=WallClock, limits: Limits = Limits(),
           attempts: list[dict[str, Any]] | None = None, keep_processes: bool = False,
           first_checkpoint=UNLISTED) -> Controller:
-    """The job's controller, its code uploaded (or `code_env`: a sweep's, uploaded once by its driver), ready to
+    """The job's controller, its code packed (or `code`: a sweep's, packed once by its driver), ready to
     `run()`. `placement_group`: a group someone else reserved (a Tune trial's), one bundle per task from index
     0, never removed here. `resources`, `clock`, `limits`: seams for tests (by default Ray's, `group_cls` the
     actors' group class). `attempts`: the run's starts, this one last. `keep_processes`: a sweep's trial keeps
@@ -483,9 +483,9 @@ def start(job: Job, group_cls: Callable[..., WorkerGroup] | None = None,
         standby = spec.failure.standby and spec.failure.max_restarts > 0
         resources = RayResources(group_cls or RayWorkerGroup, standby_enabled=standby,
                                  standby_check_s=limits.standby_check_s, keep_processes=keep_processes)
-    env = code_env if code_env is not None else upload_code(runtime_env(job), verbose=verbose,
-                                                             note=display.message if display else None)
-    return Controller(job, resources, env=env, limits=limits, clock=clock, display=display, resume=resume,
+    if code is None:
+        code = pack_code(job, verbose=verbose, note=display.message if display else None)
+    return Controller(job, resources, code=code, limits=limits, clock=clock, display=display, resume=resume,
                       callbacks=callbacks, placement_group=placement_group, attempts=attempts,
                       first_checkpoint=first_checkpoint)
 

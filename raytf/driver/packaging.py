@@ -1,4 +1,4 @@
-"""The job folder as a package for the cluster: what goes into it, how large it may be, and its upload.
+"""The job folder as a package for the cluster: what goes into it, how large it may be, and its packing.
 
 Ray builds a package's zip in a scratch folder, by default the current directory. A run started inside
 the job folder then zipped the folder into itself, zip included, until the disk was full. raytf gives
@@ -23,6 +23,7 @@ from raytf import tracking
 from raytf.errors import SpecError
 from raytf.job import Job
 from raytf.job_code import modules_outside
+from raytf.protocol import CodePackage, TaskCode
 from raytf.spec import FUNCTION_KEYS, function_ref
 
 MAX_PACKAGE_BYTES = 100 * 1024 ** 2  # a job folder larger than this belongs in storage every node reads
@@ -279,32 +280,45 @@ def ray_packaging_messages(verbose: bool = False,
              f"out with a .rayignore in the job folder (or put data in storage every node reads)")
 
 
-def upload_code(env: dict[str, Any], verbose: bool = False,
-                note: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Upload local working_dir/py_modules to the cluster and put their URIs in their place.
+def pack_code(job: Job, verbose: bool = False, note: Callable[[str], None] | None = None,
+              store: Callable[[bytes], Any] | None = None) -> TaskCode:
+    """The job folder (and the modules found only in the driver's working directory) zipped once, as Ray would
+    for a runtime env, into Ray's object store: each task process unpacks it itself (raytf.actor.code).
 
-    Ray accepts local paths only in ray.init's job-level runtime_env; raytf sets the env per actor
-    (it may run in a process whose Ray someone else initialised: a notebook, a Tune trial), so it
-    uploads the way ray.init does. These helpers are Ray-private; raytf pins Ray 2.60.*.
-    Ray's lines about it show with `verbose` only; `note` gets raytf's own (ray_packaging_messages)."""
-    from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
-    from ray._private.runtime_env.working_dir import upload_working_dir_if_needed
+    Not a Ray runtime env: Ray starts every worker that has one through a second Python process
+    (setup_worker.py, which imports Ray before the worker imports it again): ~0.4 CPU-s and ~0.7 s more per task
+    process here (BENCHMARKS.md). The zip is the driver's object, alive while it runs: a replacement started
+    late in a long run still finds it (a package uploaded to the cluster's store outlives no reference to it by
+    more than 10 minutes). Ray's packaging functions are Ray-private; raytf pins Ray 2.60.*. Ray's lines about it
+    show with `verbose` only; `note` gets raytf's own (ray_packaging_messages). `store`: ray.put, or a test's."""
+    import ray
+    from ray._private import ray_constants
+    from ray._private.runtime_env.packaging import create_package, get_uri_for_directory, get_uri_for_file
 
-    if "working_dir" in env and not _is_uri(env["working_dir"]):
-        check_size(Path(env["working_dir"]), env.get("excludes", []))
-    for module in env.get("py_modules", []):
-        if not _is_uri(module):
-            check_size(Path(module), list(ALWAYS_EXCLUDED))
+    env = runtime_env(job)
+    gitignore = _include_gitignore()
+
+    def pack(path: str, excludes: list[str], parent: bool, scratch: str, logger: logging.Logger) -> CodePackage:
+        is_dir = Path(path).is_dir()
+        uri = get_uri_for_directory(path, include_gitignore=gitignore, excludes=excludes) if is_dir \
+            else get_uri_for_file(path)
+        name = uri.split("://", 1)[1].removesuffix(".zip")  # gcs://_ray_pkg_<content hash>.zip
+        target = Path(scratch) / f"{name}.zip"
+        create_package(path, target, include_gitignore=gitignore, include_parent_dir=parent and is_dir,
+                       excludes=excludes, logger=logger)
+        return CodePackage(name, (store or ray.put)(target.read_bytes()))
+
+    check_size(Path(env["working_dir"]), env["excludes"])
+    modules = env.get("py_modules", [])
+    for module in modules:
+        check_size(Path(module), list(ALWAYS_EXCLUDED))
     with ray_packaging_messages(verbose, note) as logger, \
             tempfile.TemporaryDirectory(prefix="raytf-pkg-") as scratch:  # never the folder being packed
-        env = upload_py_modules_if_needed(dict(env), include_gitignore=_include_gitignore(),
-                                          scratch_dir=scratch, logger=logger)
-        return upload_working_dir_if_needed(env, include_gitignore=_include_gitignore(),
-                                            scratch_dir=scratch, logger=logger)
-
-
-def _is_uri(value: Any) -> bool:
-    return isinstance(value, str) and "://" in value
+        # as Ray's runtime env would: the default excludes for the working folder, the job's own for both
+        working = pack(env["working_dir"], ray_constants.get_runtime_env_default_excludes() + env["excludes"],
+                       False, scratch, logger)
+        packed = tuple(pack(m, env["excludes"], True, scratch, logger) for m in modules)
+    return TaskCode(working, packed, tuple(sorted(env["env_vars"].items())))
 
 
 def _mib(size: int) -> str:

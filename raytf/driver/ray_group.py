@@ -13,7 +13,7 @@ import ray
 from ray.exceptions import ActorAlreadyExistsError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raytf.protocol import Progress, StopAnswer, WorkerPayload
+from raytf.protocol import Progress, StopAnswer, TaskCode, WorkerPayload
 from raytf.actor.raised import summary
 from raytf.actor.task_actor import TaskActor
 from raytf.driver import placement
@@ -55,18 +55,19 @@ def task_error(exc: BaseException) -> TaskError:
                      getattr(cause, "traceback", None))
 
 
-def create_actor(pg, index: int, bundle: dict[str, float], runtime_env: dict[str, Any], port: int = 0,
+def create_actor(pg, index: int, bundle: dict[str, float], code: TaskCode, port: int = 0,
                  name: str | None = None, namespace: str | None = None):
-    """A TaskActor in bundle `index`; an empty `bundle` makes a warm standby that takes no resources.
+    """A TaskActor in bundle `index`, given the job's code (no Ray runtime env: raytf.driver.packaging.pack_code);
+    an empty `bundle` makes a warm standby that takes no resources.
     `name` shows in `ray list actors` and the dashboard; names are unique within a namespace, so each
     group of actors gets a namespace of its own (a restart, a sweep's trials and a replacement reuse names)."""
     options = dict(num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), max_concurrency=2,
-                   max_restarts=0, runtime_env=runtime_env,
+                   max_restarts=0,
                    scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
                                                                         placement_group_bundle_index=index))
     if name is not None:
         options.update(name=name, namespace=namespace or new_namespace())
-    return _RemoteTaskActor.options(**options).remote(index, port)
+    return _RemoteTaskActor.options(**options).remote(index, port, code)
 
 
 def new_namespace() -> str:
@@ -110,12 +111,12 @@ def kill(actor) -> None:
 
 
 class RayWorkerGroup:
-    def __init__(self, pg, bundles: list[dict[str, float]], runtime_env: dict[str, Any],
+    def __init__(self, pg, bundles: list[dict[str, float]], code: TaskCode,
                  standby: dict[int, tuple[Any, tuple, str | None]] | None = None,
                  names: Callable[[dict[int, str]], dict[int, str]] | None = None):
         """standby: bundle index -> (warm actor, GPU ids, CUDA_VISIBLE_DEVICES) to use instead of a new actor.
         names: bundle index -> node id  to  bundle index -> actor name (the backend's plan of ranks)."""
-        self.pg, self.bundles, self.runtime_env = pg, bundles, runtime_env
+        self.pg, self.bundles, self.code = pg, bundles, code
         self.standby = dict(standby or {})
         self._plan_names = names
         self._names: dict[int, str] = {}
@@ -144,10 +145,10 @@ class RayWorkerGroup:
     def _create(self, index: int, port: int = 0):
         name = self._names.get(index)
         try:
-            return create_actor(self.pg, index, self.bundles[index], self.runtime_env, port, name, self._namespace)
+            return create_actor(self.pg, index, self.bundles[index], self.code, port, name, self._namespace)
         except ActorAlreadyExistsError:  # still held by the actor this one replaces, dead but not yet freed
             name = f"{name}.{uuid.uuid4().hex[:4]}" if name else None
-            return create_actor(self.pg, index, self.bundles[index], self.runtime_env, port, name, self._namespace)
+            return create_actor(self.pg, index, self.bundles[index], self.code, port, name, self._namespace)
 
     def setup(self, tasks: list[Task], payload: WorkerPayload, timeout_s: float) -> list[dict[str, Any]]:
         self.tasks = tasks
@@ -344,8 +345,8 @@ class RayResources:
     def release(self, pg) -> None:
         placement.release(pg)
 
-    def new_group(self, pg, bundles, env, standby, names=None):
-        return self.group_cls(pg, bundles, env, standby=standby or None, names=names)
+    def new_group(self, pg, bundles, code, standby, names=None):
+        return self.group_cls(pg, bundles, code, standby=standby or None, names=names)
 
     def keep(self, group: RayWorkerGroup, tasks: list[Task], key: str | None) -> bool:
         """Hold a finished job's actors (each has removed its files) for the next job in this process, on the
@@ -353,30 +354,30 @@ class RayResources:
         if not self.keep_processes or key is None or group is None:
             return False
         drop_kept()
-        _kept["group"] = (group.pg.id, key, group.runtime_env, group, list(tasks))
+        _kept["group"] = (group.pg.id, key, group.code, group, list(tasks))
         return True
 
-    def take_kept(self, pg, key: str | None, env: dict[str, Any], count: int) -> tuple[RayWorkerGroup, list[Task]] | None:
+    def take_kept(self, pg, key: str | None, code: TaskCode, count: int) -> tuple[RayWorkerGroup, list[Task]] | None:
         """The kept group and its tasks (their addresses, so TF_CONFIG is the same), if it matches this job;
         otherwise it is stopped, so that its actors free their bundles for this job's."""
         kept = _kept.pop("group", None)
         if kept is None:
             return None
-        pg_id, kept_key, kept_env, group, tasks = kept
-        if key is not None and key == kept_key and pg is not None and pg.id == pg_id and kept_env == env \
+        pg_id, kept_key, kept_code, group, tasks = kept
+        if key is not None and key == kept_key and pg is not None and pg.id == pg_id and kept_code == code \
                 and len(tasks) == count:
             return group, tasks
         group.stop()
         return None
 
-    def fill_standby(self, pg, env: dict[str, Any], tasks: list[Task], job: str = "") -> None:
+    def fill_standby(self, pg, code: TaskCode, tasks: list[Task], job: str = "") -> None:
         """One warm process per task, named raytf:<job>:standby-<rank> (it keeps that name once promoted)."""
         if not self.standby_enabled or self._standby:
             return
         self._standby_pg = pg
         namespace = new_namespace()
         for t in tasks:
-            actor = create_actor(pg, t.bundle_index, {}, env, name=f"raytf:{job}:standby-{t.rank}", namespace=namespace)
+            actor = create_actor(pg, t.bundle_index, {}, code, name=f"raytf:{job}:standby-{t.rank}", namespace=namespace)
             self._standby[t.bundle_index] = (actor, t.gpu_ids, t.cuda_visible_devices)
 
     def take_standby(self, pg, count: int) -> dict[int, tuple[Any, tuple, str | None]]:

@@ -24,12 +24,13 @@ from raytf.driver import controller, output
 from raytf.driver.callbacks import Callback, end_reason, end_state
 from raytf.driver.report import ProgressDisplay, Result
 from raytf.job import Job
+from raytf.protocol import TaskCode
 from raytf.storage import Folder
 
 
 def execute(job: Job, *, resume: "bool | str", display: ProgressDisplay, previous: dict[str, Any] | None = None,
             lease=None, session=None, latest=UNLISTED, callbacks: Sequence[Callback] = (),
-            tracking_parent: str | None = None, placement_group=None, code_env: dict[str, Any] | None = None,
+            tracking_parent: str | None = None, placement_group=None, code: TaskCode | None = None,
             keep_processes: bool = False, verbose: bool = False, group_cls=None) -> Result:
     """Run `job` to its end and return its Result (raising what ended it otherwise).
 
@@ -62,7 +63,7 @@ def execute(job: Job, *, resume: "bool | str", display: ProgressDisplay, previou
         ran, error = None, None
         try:
             ran = controller.start(job, display=display, resume=bool(resume), callbacks=watchers,
-                                   placement_group=placement_group, code_env=code_env, verbose=verbose,
+                                   placement_group=placement_group, code=code, verbose=verbose,
                                    attempts=tries, keep_processes=keep_processes, first_checkpoint=first,
                                    group_cls=group_cls)
             return ran.run()

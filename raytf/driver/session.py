@@ -112,10 +112,11 @@ def ray_session(address: str | None = None, verbose: bool = False) -> Iterator[s
 
 
 # An embedded Ray's node starts no idle Python workers ahead of need: Ray prestarts one per CPU when the first
-# driver connects, but raytf's task actors and tasks carry a runtime env (the job folder), which no prestarted
-# worker has, so each would be started, import Ray (~1 CPU-s) and idle beside the tasks' TensorFlow start-up (a
-# sweep's trial actors, which carry none, get a worker started when they need it). `raytf run jobs/digits.yaml`:
-# 0.96x the wall time, 0.93x the busy CPU (BENCHMARKS.md, benchmarks/bench_embedded_start.py).
+# driver connects. While raytf's task actors carried a runtime env (the job folder), no prestarted worker could
+# serve them: `raytf run jobs/digits.yaml` took 0.96x the wall time and 0.93x the busy CPU without them. Now that
+# they carry none (raytf.driver.packaging.pack_code) a prestarted worker could, and the two measure the same
+# (1.00x wall, 1.01x CPU); none are started, so a node where no task lands idles no process
+# (BENCHMARKS.md, benchmarks/bench_embedded_start.py).
 EMBEDDED_RAY_CONFIG = {"prestart_worker_first_driver": False, "enable_worker_prestart": False}
 
 
