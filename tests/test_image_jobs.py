@@ -133,6 +133,7 @@ def test_a_tensor_column_goes_through_the_preprocess_function_on_every_worker(cl
 
 def test_a_preprocess_function_that_cannot_be_traced_fails_before_training_naming_it(cluster, tensor_job):
     spec = {**tensor_spec(tensor_job, "mirrored", "tensormodel:broken"), "name": "tensors-broken"}
+    spec["cluster"] = {**spec["cluster"], "workers": 1}  # fails before the first step: one worker shows it
     job = load(write_job(tensor_job, spec, name="broken.yaml"))
     with pytest.raises(TrainingFailed, match=r"data.preprocess tensormodel:broken cannot run inside tf.data "
                                              r"\(AttributeError: .*numpy.*\); it runs as a TensorFlow graph") as failed:

@@ -162,7 +162,9 @@ def test_two_ps_split_the_table_the_evaluator_reports_each_epoch_and_a_resume_co
     assert "val_loss" in first.history[-1] and first.history[-1]["val_loss"] == first.evaluations[-1]["val_loss"]
 
     # --resume from its checkpoint (the chief validates now: the evaluator does not change the variables)
-    again = ps_spec(criteo_data, train={"epochs": 3}, cluster={"ps": 2, "cpus_per_worker": 0.25}, checkpoint=ckpt)
+    # (one worker: what is resumed is the chief's step and the ps tasks' variables)
+    again = ps_spec(criteo_data, train={"epochs": 3}, cluster={"ps": 2, "workers": 1, "cpus_per_worker": 0.25},
+                    checkpoint=ckpt)
     resumed = run(load(write_job(ps_dir, again)), resume=True)
     assert resumed.tasks[0]["steps"] == 3 * STEPS_PER_EPOCH  # the step counter went on from the checkpoint,
     assert [h["epoch"] for h in resumed.history] == [1, 2, 3]  # epochs 1-2 came from it, epoch 3 ran
@@ -171,7 +173,8 @@ def test_two_ps_split_the_table_the_evaluator_reports_each_epoch_and_a_resume_co
     assert resumed.history[2]["loss"] < first.history[0]["loss"]  # the weights came back, not fresh ones
     # One ps task would hold the table whole: that checkpoint does not fit, and the error says why
     # (rather than falling back to older checkpoints, which do not fit either).
-    changed = ps_spec(criteo_data, train={"epochs": 4}, checkpoint=ckpt, cluster={"ps": 1, "cpus_per_worker": 0.25})
+    changed = ps_spec(criteo_data, train={"epochs": 4}, checkpoint=ckpt,
+                      cluster={"ps": 1, "workers": 1, "cpus_per_worker": 0.25})
     with pytest.raises(TrainingFailed, match=r"holds variables split differently .*keep cluster.ps"):
         run(load(write_job(ps_dir, changed)), resume=True)
     assert_nothing_left()
@@ -199,7 +202,8 @@ def test_a_killed_worker_does_not_stop_the_job(cluster, ps_dir, criteo_data):
 def test_a_killed_ps_fails_the_job_with_its_cause(cluster, ps_dir, criteo_data):
     killer = Killer(rank=1, at_step=20, watch=0)
     with pytest.raises(TrainingFailed, match=r"ps 0 \(rank 1, .*actor died"):
-        run(load(write_job(ps_dir, ps_spec(criteo_data, train={"epochs": 20}))), group_cls=killer.group_cls)
+        run(load(write_job(ps_dir, ps_spec(criteo_data, train={"epochs": 20}, cluster={"workers": 1}))),
+            group_cls=killer.group_cls)
     assert killer.killed_at
     assert_nothing_left()
 

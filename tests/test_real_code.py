@@ -281,7 +281,8 @@ def test_a_diverging_job_stops_at_the_first_nan_epoch_and_exports_nothing(root, 
     (folder / "job.yaml").write_text(yaml.safe_dump(base_spec(
         name="diverging", model="tmodel:build_model", output={"dir": "../runs"},
         data={"train": "data/train.parquet", "validation": "data/test.parquet", "features": ["pixels"],
-              "label": "label"}, optimizer={"name": "sgd", "learning_rate": 1e12}, train={"epochs": 5})))
+              "label": "label"}, optimizer={"name": "sgd", "learning_rate": 1e12}, train={"epochs": 5},
+        cluster={"workers": 1})))  # the chief finds the nan; one worker is enough
     (folder / "tmodel.py").write_text(MODEL_MODULE)
     proc = run_on_cluster(["run", "job.yaml"], folder, cluster, timeout=220)
     assert proc.returncode == 1, proc.stderr[-3000:]

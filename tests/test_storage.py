@@ -221,9 +221,10 @@ PACED_MODEL = textwrap.dedent('''
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
 def test_a_run_killed_after_two_checkpoints_resumes_from_the_bucket_on_a_new_cluster_and_then_trains_nothing(
-        s3, job_dir, tmp_path):
+        s3, cluster, job_dir, tmp_path):
     """`raytf run --resume auto` with output.dir in a bucket, killed (SIGKILL to it and its embedded Ray) after
-    its second checkpoint (a second driver on the same run is refused meanwhile); the same command again (a brand-new Ray) continues from the bucket and every epoch
+    its second checkpoint (a second driver on the same run is refused meanwhile); the same command again, on
+    another cluster (the session's: an embedded Ray's start less), continues from the bucket and every epoch
     is trained once; a third start trains nothing. Everything is in the bucket, nothing in the job folder.
 
     Before the kill the store holds the checkpoints' writes (a proxy in front of it): the chief's next checkpoint
@@ -281,7 +282,8 @@ def test_a_run_killed_after_two_checkpoints_resumes_from_the_bucket_on_a_new_clu
     killed = json.loads(s3.read(f"{out}/result.json"))
     assert killed["status"] == "running" and killed["attempts"][0]["ended"] is None
 
-    second = subprocess.run(command, cwd=job_dir, capture_output=True, text=True, timeout=200)
+    second = subprocess.run(command + ["--address", cluster[0].address], cwd=job_dir, capture_output=True, text=True,
+                            timeout=200, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     said = re.search(r"raytf: resume: auto: continuing from step (\d+) \(epoch (\d+)\) in " + re.escape(out),
                      second.stderr)
@@ -299,7 +301,7 @@ def test_a_run_killed_after_two_checkpoints_resumes_from_the_bucket_on_a_new_clu
     first_try, second_try = result["attempts"]
     assert first_try["ended_because"] == attempts.LOST and second_try["ended_because"] == "succeeded"
     assert second_try["resumed_from_step"] == step
-    assert first_try["cluster"]["session"] != second_try["cluster"]["session"]  # a brand-new Ray
+    assert first_try["cluster"]["session"] != second_try["cluster"]["session"]  # another Ray cluster
     assert len({t["weights_digest"] for t in result["tasks"]}) == 1
     stored = s3.files(out)
     assert {"result.json", "model.keras"} <= set(stored), sorted(stored)  # (the SavedModel: the PS job's test)

@@ -241,10 +241,11 @@ def test_a_planted_link_at_the_old_staging_path_is_never_followed_and_a_dead_ray
 
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
-def test_sigterm_during_a_held_upload_is_one_line_and_the_next_run_ships_what_it_left(s3, job_dir, tmp_path):
+def test_sigterm_during_a_held_upload_is_one_line_and_the_next_run_ships_what_it_left(s3, cluster, job_dir, tmp_path):
     """A one-epoch run whose model upload the store holds: SIGTERM ends it within seconds, saying where the
     results are; result.json in the bucket says interrupted, not running. The same command again (resume: auto)
-    ships the staged results first, finds the run succeeded and trains nothing."""
+    ships the staged results first, finds the run succeeded and trains nothing. (On the session's cluster: the
+    upload and the signal are the driver's; a signal to an embedded Ray's driver: tests/test_real_code.py.)"""
     from tests.s3_server import FaultProxy
 
     proxy = FaultProxy(s3.endpoint).fault("hold", match=r"^PUT \S*model\.keras")
@@ -252,9 +253,9 @@ def test_sigterm_during_a_held_upload_is_one_line_and_the_next_run_ships_what_it
     write_job(job_dir, base_spec(name="m", train={"epochs": 1, "global_batch_size": 64, "seed": 0},
                                  cluster={"workers": 1, "cpus_per_worker": 0.5}, output={"dir": out}))
     command = [str(BIN / "raytf"), "run", "job.yaml", "--resume", "auto"]
-    env = {**os.environ, "AWS_ENDPOINT_URL": proxy.endpoint}
+    env = {**os.environ, "AWS_ENDPOINT_URL": proxy.endpoint, "RAY_AUTH_MODE": "disabled"}
     try:
-        first = subprocess.Popen(command, cwd=job_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        first = subprocess.Popen(command + ["--address", cluster[0].address], cwd=job_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  text=True, start_new_session=True)
         deadline = time.time() + 200
         while proxy.held == 0:

@@ -249,7 +249,8 @@ def test_an_explicit_address_to_a_token_cluster_needs_only_the_users_token_file(
     token_file.write_text(head.env["RAY_AUTH_TOKEN"])
     env = {k: v for k, v in head.env.items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
     env["RAY_AUTH_TOKEN_PATH"] = str(token_file)
-    path = write_job(job_dir, base_spec(train={"epochs": 1}, output={"dir": str(job_dir / "out")}))
+    path = write_job(job_dir, base_spec(train={"epochs": 1}, output={"dir": str(job_dir / "out")},
+                                        cluster={"workers": 1}))  # what is tested is the token, not the job
     proc = subprocess.run([sys.executable, "-m", "raytf.cli", "run", str(path), "--address", head.gcs_address],
                           env=env, capture_output=True, text=True, timeout=200, cwd=job_dir)
     if proc.returncode != 0:
