@@ -55,6 +55,12 @@ class Killer:
 # A dataset_fn module whose rank 1 is slow: `delay_s` before every row, or stalled (alive, silent) at row
 # `stall_at`, once (the marker file, absolute so every node and attempt sees it, says it did). Its dataset
 # is endless and says so, so each worker's input is its own (no per-step "has data" all-reduce).
+# raytf's notes when no survivor could hand over its state (raytf.driver.rescue.save): the restart then goes back to
+# the last checkpoint, as designed. Seen under CI's load twice (the link-down test, the elastic test, 2026-12-07;
+# cause not known: rescue_wait_s or the survivors' take under load are suspects); those tests rerun once on them.
+RESCUE_FELL_BACK = r"raytf: (no survivor kept a state past step|rank \d+ held step \d+ but could not save it)"
+
+
 RANK_ONE_DATA = textwrap.dedent('''
     import json, os, time
     import numpy as np

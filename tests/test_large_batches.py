@@ -2,6 +2,7 @@
 across a resume), the scaling rule, gradient accumulation that equals one large batch, elastic restarts
 that keep the effective batch, and the collective options."""
 import concurrent.futures
+import io
 import json
 import os
 import subprocess
@@ -21,10 +22,11 @@ from raytf.actor import schedules
 from raytf.checkpoint import Storage
 from raytf.cli import main
 from raytf.driver.controller import run
+from raytf.driver.report import ProgressDisplay
 from raytf.errors import SpecError, TrainingFailed
 from raytf.job import load, parse
 from tests.conftest import assert_nothing_left, base_spec, write_job
-from tests.faults import AtSteps, Killer, an_extra_node, rank_one_data
+from tests.faults import RESCUE_FELL_BACK, AtSteps, Killer, an_extra_node, rank_one_data
 
 TRAIN_ROWS = 1437
 
@@ -300,7 +302,7 @@ STOP_GIVEN_UP = "the stop at one step was given up"
 
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
-@pytest.mark.flaky(reruns=1, only_rerun=[STOP_GIVEN_UP])
+@pytest.mark.flaky(reruns=1, only_rerun=[STOP_GIVEN_UP, RESCUE_FELL_BACK])
 def test_an_elastic_job_shrinks_keeping_the_effective_batch_and_grows_back_when_a_node_returns(cluster, job_dir):
     """4 workers x 8 rows, global batch 32; a node is lost. 3 workers would need 4/3 accumulation steps or
     32/3 rows, so raytf goes on with 2 workers x 8 rows x 2 accumulation steps: same effective batch,
@@ -328,7 +330,8 @@ def test_an_elastic_job_shrinks_keeping_the_effective_batch_and_grows_back_when_
         grower = AtSteps([(20, lambda group: shrunk.set())], attempts={2})  # as soon as 2 workers train
         both = type("KillThenGrow", (killer.group_cls, grower.group_cls), {})
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            job = pool.submit(run, load(write_job(job_dir, spec)), group_cls=both)
+            shown = io.StringIO()  # raytf's notes (the rescue's among them), for a failure's message
+            job = pool.submit(run, load(write_job(job_dir, spec)), group_cls=both, display=ProgressDisplay(stream=shown))
             try:
                 if shrunk.wait(timeout=200):  # Ray adds nodes from the main thread only (signals)
                     returned.append(c.add_node(num_cpus=1))
@@ -345,7 +348,8 @@ def test_an_elastic_job_shrinks_keeping_the_effective_batch_and_grows_back_when_
     kept = {"global_batch_size": 16, "accumulation_steps": 2, "per_replica_batch_size": 8, "kept": "per_replica_batch"}
     assert lost["workers"] == 2 and lost["batch"] == kept
     # a survivor's state at the last step all 4 finished, resumed on 2: no step lost to the node either
-    assert lost["state_from"].startswith("rank ") and lost["steps_lost"] == 0, lost
+    notes = [line for line in shown.getvalue().splitlines() if line.startswith("raytf:")]
+    assert lost.get("state_from", "").startswith("rank ") and lost["steps_lost"] == 0, (notes, lost)
     assert grown["kind"] == "resized" and (grown["from_workers"], grown["workers"]) == (2, 4)
     assert grown["stop_step"] is not None, f"{STOP_GIVEN_UP}: {grown['reason']}"
     assert grown["steps_lost"] == 0 and grown["resumed_from_step"] == grown["step_saved"] == grown["stop_step"]

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO
+from tests.faults import RESCUE_FELL_BACK
 from tests.netns import BIN, Hosts, why_not
 
 REASON = why_not()
@@ -19,9 +20,6 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(420),
               pytest.mark.skipif(REASON is not None, reason=f"network namespaces: {REASON}")]
 
 HEAD, W1, W2 = "head", "w1", "w2"
-# raytf's notes when the rank left could not hand over its state (raytf.driver.rescue.save): the restart then goes
-# back to the last checkpoint, as designed. Seen once under CI's load (2026-12-07); the test reruns once on them.
-RESCUE_FELL_BACK = r"raytf: (no survivor kept a state past step|rank \d+ held step \d+ but could not save it)"
 
 
 @pytest.fixture(scope="module")
