@@ -237,7 +237,12 @@ def test_a_fit_longer_than_the_hang_timeout_lives_and_a_stuck_train_fn_is_caught
     # before the teardown, each rank said where it was: the script's own line, and its stacks are kept
     stuck_at = f"slow_fit.py:{line_of(SLOW_FIT_THEN_STUCK, 'time.sleep(3600)')} in train"
     [named] = result["hangs"]
-    assert [line.split(": ", 1)[1] for line in named["lines"]] == [f"user code at {stuck_at}"] * 2, named
+    # The chief may be named still inside model.fit: under a loaded clean-clone run (2026-12-07) it had not left
+    # fit when every rank looked idle for the 4-s timeout (a process starved of CPU uses as little as a stuck one).
+    in_fit = f"slow_fit.py:{line_of(SLOW_FIT_THEN_STUCK, 'model.fit(')} in train"
+    said = [line.split(": ", 1)[1] for line in named["lines"]]
+    assert said[0] in (f"user code at {stuck_at}", f"user code at {in_fit}"), named
+    assert said[1] == f"user code at {stuck_at}", named
     assert re.search(rf"raytf:   rank 1 \(worker, .*no progress\): user code at {re.escape(stuck_at)}", proc.stderr)
     assert "time.sleep(3600)" in (root / "runs" / named["folder"] / "rank-1.txt").read_text()
 
