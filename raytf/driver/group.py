@@ -11,7 +11,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 if TYPE_CHECKING:
-    from raytf.protocol import Outcome, Progress, StopAnswer, WorkerPayload
+    from raytf.protocol import Outcome, Progress, StopAnswer, TaskCode, WorkerPayload
     from raytf.rendezvous import ActorLocation, Task
 
 

@@ -115,7 +115,7 @@ def ray_session(address: str | None = None, verbose: bool = False) -> Iterator[s
 # driver connects. While raytf's task actors carried a runtime env (the job folder), no prestarted worker could
 # serve them: `raytf run jobs/digits.yaml` took 0.96x the wall time and 0.93x the busy CPU without them. Now that
 # they carry none (raytf.driver.packaging.pack_code) a prestarted worker could, and the two measure the same
-# (1.00x wall, 1.01x CPU); none are started, so a node where no task lands idles no process
+# (0.99x wall, 1.01x CPU without them); none are started, so a node where no task lands idles no process
 # (BENCHMARKS.md, benchmarks/bench_embedded_start.py).
 EMBEDDED_RAY_CONFIG = {"prestart_worker_first_driver": False, "enable_worker_prestart": False}
 
