@@ -1,8 +1,9 @@
 """What the driver and the actors send each other, as types both sides (and the tests' fakes) share.
 
-A task process starts with the job's TaskCode; the driver sends each task a WorkerPayload; a task answers a poll with its Progress, a drain notice's stop
-request with a StopAnswer, and its train call with an Outcome. Frozen dataclasses (picklable for Ray): a
-field renamed on one side breaks the other at once. result.json stays plain dicts (raytf.driver.report).
+A task process starts with the job's TaskCode; the driver sends each task a WorkerPayload; a task answers a poll
+with its Progress, a drain notice's stop request with a StopAnswer, and its train call with an Outcome. Frozen
+dataclasses (picklable for Ray): a field renamed on one side breaks the other at once. result.json stays plain
+dicts (raytf.driver.report).
 """
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ class CodePackage:
 
 @dataclasses.dataclass(frozen=True)
 class TaskCode:
-    """What a task process needs before anything else (raytf.actor.code): the job folder, the modules found only
-    in the driver's working directory, and the environment variables TensorFlow reads when it is imported.
+    """What a task process needs before anything else (raytf.actor.task_code): the job folder, the modules found
+    only in the driver's working directory, and the environment variables TensorFlow reads when it is imported.
     Equal for two jobs whose code and variables are equal (a sweep's kept processes are matched on it)."""
 
     working_dir: CodePackage

@@ -2,9 +2,10 @@
 
 A job's folder is unpacked once per node (raytf.actor.task_code) and every task of the job starts in it, so two
 tasks on one node writing the same relative path (TensorFlow's custom-training tutorial saves
-`./training_checkpoints/ckpt` on every worker) collide. Each task runs in a folder of its own instead, inside its scratch folder (removed
-when the task ends): the job's files and folders appear there as links, so reading them works as before,
-and a new relative file or folder is this task's alone. Pure file-system work: no Ray, no TensorFlow.
+`./training_checkpoints/ckpt` on every worker) collide. Each task runs in a folder of its own instead, inside
+its scratch folder (removed when the task ends): the job's files and folders appear there as links, so reading
+them works as before, and a new relative file or folder is this task's alone. Pure file-system work: no Ray,
+no TensorFlow.
 """
 from __future__ import annotations
 

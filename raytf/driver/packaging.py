@@ -283,7 +283,7 @@ def ray_packaging_messages(verbose: bool = False,
 def pack_code(job: Job, verbose: bool = False, note: Callable[[str], None] | None = None,
               store: Callable[[bytes], Any] | None = None) -> TaskCode:
     """The job folder (and the modules found only in the driver's working directory) zipped once, as Ray would
-    for a runtime env, into Ray's object store: each task process unpacks it itself (raytf.actor.code).
+    for a runtime env, into Ray's object store: each task process unpacks it itself (raytf.actor.task_code).
 
     Not a Ray runtime env: Ray starts every worker that has one through a second Python process
     (setup_worker.py, which imports Ray before the worker imports it again): ~0.4 CPU-s and ~0.7 s more per task
