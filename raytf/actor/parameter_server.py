@@ -181,7 +181,7 @@ class ParameterServerRunner:
 
         timed = spec.output.timing
 
-        @tf.function
+        @steps_lib.step_function
         def train_step(iterator):
             def replica(x, y):
                 grads, delta = gradients(x, y)
@@ -197,7 +197,7 @@ class ParameterServerRunner:
                 done = tf.timestamp()
             return delta, tf.stack([fed - began, done - fed]), worker
 
-        @tf.function
+        @steps_lib.step_function
         def eval_step(x, y, w):  # on the chief itself: exact, every validation row once
             pred = steps_lib.float32(model(x, training=False))
             y = steps_lib.align_labels(y, pred)
@@ -390,7 +390,7 @@ def run_evaluator(payload: WorkerPayload, ctx: TaskContext) -> Outcome:
     iterator = iter(pipelines.eval_dataset(info, payload.val_root, shard, batch, val_steps, repeat=True,
                                            examples=_val_examples(payload, ctx.staging_dir + ".cache")))
 
-    @tf.function
+    @steps_lib.step_function
     def eval_step(x, y, w):
         pred = model(x, training=False)
         y = steps_lib.align_labels(y, pred)

@@ -27,6 +27,12 @@ from raytf.actor import inputs, schedules
 from raytf.labels import check_label_shape, loss_key
 from raytf.spec import JobSpec
 
+# raytf's step functions, traced without AutoGraph: they hold no Python control flow on tensors, so AutoGraph had
+# nothing to convert in them, yet parsing and rewriting their source was most of a task's first trace (a restarted
+# digits task: 1.15-1.2 s -> 0.5 s, benchmarks/bench_recovery.py). Keras 3's own fit traces without it too, and a
+# model's call() was never converted either way (Keras is on AutoGraph's do-not-convert list).
+step_function = functools.partial(tf.function, autograph=False)
+
 # 'accuracy' in metrics, by the loss (its snake-case name): the accuracy that reads the labels that loss takes
 _ACCURACY_BY_LOSS = {
     "sparse_categorical_crossentropy": "sparse_categorical_accuracy",
@@ -266,7 +272,7 @@ def make_state_sync(strategy: tf.distribute.Strategy, model: keras.Model) -> Cal
     def local_state():
         return tf.concat([tf.reshape(tf.cast(v.value, tf.float64), [-1]) for v in synced], axis=0)
 
-    @tf.function
+    @step_function
     def sync():
         mean = strategy.reduce(tf.distribute.ReduceOp.MEAN, strategy.run(local_state), axis=None)
         for v, part in zip(synced, tf.split(mean, sizes)):
@@ -387,7 +393,7 @@ def make_step_functions(strategy: tf.distribute.Strategy, model: keras.Model, op
     gradients = make_gradients(model, optimizer, loss_fn, train_acc, spec.train.effective_batch_size, variables,
                                micro_batches=spec.train.accumulation_steps)
     # XLA compiles the forward and backward pass; the gradient all-reduce in apply_gradients stays outside.
-    compiled = tf.function(gradients, jit_compile=True) if spec.train.jit_compile else gradients
+    compiled = step_function(gradients, jit_compile=True) if spec.train.jit_compile else gradients
     compiled = accumulate(compiled, variables, sum(train_acc.sizes), spec.train.accumulation_steps,
                           take=lambda t, k: t[k])
     loss_scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
@@ -402,7 +408,7 @@ def make_step_functions(strategy: tf.distribute.Strategy, model: keras.Model, op
     # tf.timestamp is refused under op determinism (FailedPreconditionError)
     timing = StepTiming() if spec.output.timing and not spec.train.deterministic else None
 
-    @tf.function
+    @step_function
     def train(iterator):
         began = tf.timestamp() if timing else None
         with tf.control_dependencies([began] if timing else []):
@@ -421,13 +427,13 @@ def make_step_functions(strategy: tf.distribute.Strategy, model: keras.Model, op
         y = align_labels(y, pred)
         return eval_acc.delta(y, pred, loss_fn(y, pred), weight=w, regularization=regularization_loss(model))
 
-    @tf.function
+    @step_function
     def evaluate(iterator):
         x, y, w = next(iterator)
         deltas = strategy.experimental_local_results(strategy.run(eval_replica, args=(x, y, w)))
         eval_acc.total.assign_add(tf.add_n(list(deltas)))
 
-    @tf.function
+    @step_function
     def global_sum(local):
         # Each local replica contributes an equal share, so the SUM over all replicas is the sum over workers.
         share = strategy.run(lambda: local / tf.cast(local_replicas, tf.float64))
