@@ -265,8 +265,9 @@ class FailureSpec(StrictModel):
         "When the cluster cannot give back all workers after a failure, go on with fewer (>= min_workers), keeping "
         "the effective batch. None: only the full size."))
     standby: bool = Field(default=True, description=(
-        "With max_restarts > 0 (mirrored, one_device, central_storage): once training runs, keep one warm process per worker with TensorFlow "
-        "imported, so a restart promotes them instead of starting new ones; none once the restarts are used up."))
+        "With max_restarts > 0 (mirrored, one_device, central_storage): from the first attempt's start (after a restart: once it trains "
+        "again), keep one warm process per worker with TensorFlow imported, so a restart promotes them instead of starting new "
+        "ones; none once the restarts are used up."))
     preemption: bool = Field(default=True, description=(
         "When Ray marks a node of the job as draining (a spot instance reclaimed, `ray drain-node`), every worker "
         "stops at one common step, the job checkpoints there and restarts without the node, free of "

@@ -197,9 +197,7 @@ class Controller:
             (a.awaited if supervision.awaited else a.side).append(handle)
             if supervision.watched:
                 a.progress_seen[task.rank] = Heard(None, now)
-        # Warm processes for the next attempt import TensorFlow while the first one builds its model;
-        # after a restart, only once it trains again (they would slow the recovery down).
-        if not self.decisions:
+        if not self.decisions:  # a sweep's kept group (no rendezvous of its own)
             self._arm_standby()
         self.state = RUNNING
 
@@ -216,6 +214,10 @@ class Controller:
                                            names=lambda nodes: self.backend.actor_names(a.spec, nodes))
         try:
             a.tasks = self.backend.assign(a.group.start(timeout_s), a.spec)
+            # Warm processes for a restart import TensorFlow beside the first attempt's tasks (ready for an early
+            # failure); after a restart, only once it trains again (they would slow the recovery down).
+            if not self.decisions:
+                self._arm_standby()
             a.group.setup(a.tasks, a.payload, timeout_s)
         except PortTaken as exc:
             if a.rendezvous_tries >= self.limits.rendezvous_attempts:
@@ -434,6 +436,8 @@ class Controller:
 
     def _arm_standby(self) -> None:
         a = self.attempt
+        if a.standby_armed:
+            return
         a.standby_armed = True
         if self.backend.supports_standby and self.restart_policy.restarts_left(self.decisions) > 0:  # else unused
             self.resources.fill_standby(self.pg, self.code, a.tasks, self.spec.name)
