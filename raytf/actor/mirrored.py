@@ -106,7 +106,8 @@ class MirroredRunner:
     def _iterators(self, epoch: int) -> None:
         """One iterator for all epochs, built when the first epoch starts (a resume's epoch, less the
         batches of it already trained: the rest of the epoch's data comes in the same order). Building a
-        distributed pipeline costs ~0.1 s; an epoch of a small job may be shorter than that."""
+        distributed pipeline costs ~0.1 s; an epoch of a small job may be shorter than that. The validation
+        iterator waits for the first validation: a restart's first step does not wait for it."""
         spec, position = self.payload.spec, self.payload.resume_from
         if spec.dataset_fn is not None:
             self._iterator = iter(self.strategy.distribute_datasets_from_function(
@@ -115,8 +116,6 @@ class MirroredRunner:
             skip = position.step_in_epoch if position is not None and position.epoch == epoch else 0
             self._iterator = iter(self.strategy.distribute_datasets_from_function(
                 self.plan.train_input(spec.train.seed, first_epoch=epoch, skip_batches=skip)))
-        if self.plan.val_steps:
-            self._val_iterator = iter(self.strategy.distribute_datasets_from_function(self.plan.val_input()))
 
     def start_epoch(self, epoch: int, totals: np.ndarray | None) -> None:
         if self._iterator is None:
@@ -152,6 +151,8 @@ class MirroredRunner:
         self.fns.sync_state()
 
     def validate(self) -> np.ndarray:
+        if self._val_iterator is None:
+            self._val_iterator = iter(self.strategy.distribute_datasets_from_function(self.plan.val_input()))
         self.eval_acc.total.assign(tf.zeros_like(self.eval_acc.total))
         for _ in range(self.plan.val_steps):
             self.fns.evaluate(self._val_iterator)
