@@ -42,7 +42,7 @@ USER_PATH_MODULES = {"test_user_paths.py", "test_real_code.py", "test_e2e.py"}
 TF_MODULES = {"test_bad_input.py", "test_checkpoint_safety.py", "test_data.py", "test_images.py", "test_labels.py",
               "test_large_batches.py", "test_loop_stop.py", "test_ps_train_fn.py", "test_run_lifecycle.py",
               "test_serving.py", "test_spec.py", "test_string_list_columns.py", "test_task_code.py", "test_tune.py",
-              "test_image_jobs.py", "test_parameter_server.py", "test_preemption.py"}
+              "test_image_jobs.py", "test_parameter_server.py", "test_preemption.py", "test_initial_values.py"}
 
 
 def tier_of(module: str, cluster: bool) -> list[str]:

@@ -23,7 +23,7 @@ import keras
 import tensorflow as tf
 
 from raytf import learning_rate
-from raytf.actor import inputs, schedules
+from raytf.actor import initial_values, inputs, schedules
 from raytf.labels import check_label_shape, loss_key
 from raytf.spec import JobSpec
 
@@ -75,7 +75,7 @@ def build_model(payload, strategy: tf.distribute.Strategy, steps_per_epoch: int,
     for `trained(model)` (the variables it updates), so its slots exist before a restore fills them."""
     spec = payload.spec
     keras.mixed_precision.set_global_policy(spec.train.precision)
-    with strategy.scope(), _central_variables(strategy):
+    with strategy.scope(), _central_variables(strategy), initial_values.one_broadcast(strategy):
         model = payload.function("model")()
         if not isinstance(model, keras.Model):
             raise TypeError(f"model: {spec.model} returned {type(model).__name__}, not a keras.Model")
