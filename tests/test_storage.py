@@ -277,7 +277,9 @@ def test_a_run_killed_after_two_checkpoints_resumes_from_the_bucket_on_a_new_clu
     waiting = re.search(r"raytf:   rank 0 \(chief, step (\d+) \w+, no progress\): storage I/O at uploads\.py:\d+ in _wait",
                         report)
     assert waiting, report[-3000:]
-    assert re.search(r"raytf:   rank 1 \(worker, step \d+ \w+, no progress\): a TensorFlow step or collective at ",
+    # its peer, in the next step's collective: "no progress" too only when its last change (its own checkpoint write,
+    # seen at the driver's next poll) is as old as the chief's, a sub-second race under load
+    assert re.search(r"raytf:   rank 1 \(worker, step \d+ \w+(, no progress)?\): a TensorFlow step or collective at ",
                      report), report[-3000:]
     killed = json.loads(s3.read(f"{out}/result.json"))
     assert killed["status"] == "running" and killed["attempts"][0]["ended"] is None
