@@ -89,10 +89,10 @@ class Controller:
             if self.state == FAILED:
                 raise self.error
             self._keep_or_stop_group()
-        except BaseException as exc:
-            self._stop_group()
+        except BaseException as exc:  # result.json first: a sweep's stopped trial may be killed during the teardown
             self._record_failure(exc)
             self._write()
+            self._stop_group()
             raise
         finally:
             self.resources.release_standby()
