@@ -350,3 +350,33 @@ def test_a_model_whose_weights_went_nan_is_not_exported_as_a_success():
     with pytest.raises(NonFiniteWeights, match=r"hold NaN or inf after epoch 2, step 44 \(rank 0; \S*dense_nan/kernel\)"):
         check_weights(parse(base_spec()), model, 2, 44, 0)
     check_weights(parse(base_spec(train={"nonfinite_loss": "continue"})), model, 2, 44, 0)
+
+
+def test_an_embedded_ray_whose_node_timed_out_at_its_start_is_started_once_more(monkeypatch):
+    """Ray gives a raylet 30 s to register; on a machine with every core busy it once took longer. The embedded
+    start is tried once more then, with what the first left shut down; any other failure is said at once."""
+    import ray
+
+    from raytf.driver import session
+    from raytf.errors import RaytfError
+
+    calls, shutdowns = [], []
+    failures = [Exception("The current node timed out during startup. This could happen because ...")]
+    monkeypatch.setattr(ray, "shutdown", lambda: shutdowns.append(1))
+
+    def init(address, **options):
+        calls.append(address)
+        if failures:
+            raise failures.pop(0)
+
+    monkeypatch.setattr(ray, "init", init)
+    session._init_embedded({})
+    assert calls == ["local", "local"] and shutdowns == [1]
+    calls.clear()
+    failures[:] = [Exception("The current node timed out during startup."), Exception("again")]
+    with pytest.raises(RaytfError, match=r"could not connect to an embedded local Ray \(again\)"):
+        session._init_embedded({})
+    assert calls == ["local", "local"]
+    failures[:] = [Exception("address already in use")]
+    with pytest.raises(RaytfError, match="address already in use"):
+        session._init_embedded({})

@@ -91,7 +91,7 @@ def ray_session(address: str | None = None, verbose: bool = False) -> Iterator[s
         else:
             # "local": a fresh Ray of our own. A bare ray.init() would join whatever cluster was started
             # last on this machine (/tmp/ray/ray_current_cluster) -- someone else's, or a test's.
-            _init("local", dict(include_dashboard=False, _system_config=EMBEDDED_RAY_CONFIG, **options))
+            _init_embedded(dict(include_dashboard=False, _system_config=EMBEDDED_RAY_CONFIG, **options))
             _set_embedded(True)
             hint = _local_logs()
         _keep_handler(signal.SIGTERM, term)
@@ -129,6 +129,21 @@ def _init(address: str, options: dict) -> None:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
         where = "an embedded local Ray" if address == "local" else f"the Ray cluster at {address}"
         raise RaytfError(f"could not connect to {where} ({first}); -v shows Ray's own output") from None
+
+
+# Ray gives a new node's raylet a fixed 30 s to register with the GCS; on a machine whose cores are all busy it
+# once took longer (a test suite's other worker starting clusters meanwhile). One more start is tried then.
+NODE_START_TIMEOUT = "The current node timed out during startup"
+
+
+def _init_embedded(options: dict) -> None:
+    try:
+        _init("local", options)
+    except RaytfError as exc:
+        if NODE_START_TIMEOUT not in str(exc):
+            raise
+        ray.shutdown()  # whatever the first start left running
+        _init("local", options)
 
 
 def check_reachable(address: str, timeout_s: float = 5.0) -> None:
