@@ -137,13 +137,49 @@ NODE_START_TIMEOUT = "The current node timed out during startup"
 
 
 def _init_embedded(options: dict) -> None:
+    with _embedded_node_processes():
+        try:
+            _init("local", options)
+        except RaytfError as exc:
+            if NODE_START_TIMEOUT not in str(exc):
+                raise
+            ray.shutdown()  # whatever the first start left running
+            _init("local", options)
+
+
+@contextlib.contextmanager
+def _embedded_node_processes() -> Iterator[None]:
+    """How the embedded Ray's processes are started (Ray-private hooks; raytf pins Ray 2.60.*):
+
+    - Each in a process group of its own (GCS, raylet, and through it the task actors), as Ray itself does on
+      Windows. A signal to the driver's whole group (`timeout`, Slurm, `kill -- -PGID`) then reaches the driver
+      alone, which takes the Ctrl-C path and stops them. In the driver's group the raylet died of the same
+      signal, and the driver's Ray client then ended the process at its next object-store call: exit 1, no word
+      (seen once under load, the SIGTERM test). They still die with the driver: Ray starts them with the
+      kernel's parent-death signal (this is done only where Linux has it).
+    - Without the autoscaler's monitor: one node that cannot grow has nothing to scale, and raytf answers an
+      unplaceable request itself (raytf.driver.placement). Its Python process cost CPU at every start, and at
+      every ray.shutdown 1 s: on SIGTERM it reports to the GCS already stopped, until Ray kills it."""
+    from ray._private import node, services, utils
+
+    console_popen = getattr(services, "ConsolePopen", None)
+    start_monitor = getattr(node.Node, "start_monitor", None)
+    if console_popen is None or start_monitor is None or os.name != "posix" or not utils.detect_fate_sharing_support():
+        yield
+        return
+
+    class _OwnGroupPopen(console_popen):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("process_group", 0)
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = _OwnGroupPopen
+    node.Node.start_monitor = lambda self: None
     try:
-        _init("local", options)
-    except RaytfError as exc:
-        if NODE_START_TIMEOUT not in str(exc):
-            raise
-        ray.shutdown()  # whatever the first start left running
-        _init("local", options)
+        yield
+    finally:
+        services.ConsolePopen = console_popen
+        node.Node.start_monitor = start_monitor
 
 
 def check_reachable(address: str, timeout_s: float = 5.0) -> None:
