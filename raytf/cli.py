@@ -5,16 +5,13 @@ Exit codes: 0 success, 1 training or startup failed, 2 bad job spec, 3 resources
 """
 from __future__ import annotations
 
-import atexit
-import contextlib
 import functools
-import os
 import signal
 import sys
-import threading
 
 import click
 
+from raytf.console_exit import exit_on_error, exit_process, interrupt
 from raytf.errors import RaytfError, SpecError
 
 _VERBOSE_HELP = ("Also show Ray's and TensorFlow's own output: the workers' logs, TensorFlow's start-up lines "
@@ -22,7 +19,7 @@ _VERBOSE_HELP = ("Also show Ray's and TensorFlow's own output: the workers' logs
 
 
 class _Main(click.Group):
-    """Every command's exit, whatever its path, through `_exit`: after an abandoned store call pyarrow's S3
+    """Every command's exit, whatever its path, through `exit_process`: after an abandoned store call pyarrow's S3
     client would otherwise hold the process at exit without end."""
 
     def main(self, *args, **kwargs):
@@ -30,7 +27,7 @@ class _Main(click.Group):
             return super().main(*args, **kwargs)
         except SystemExit as exc:
             if exc.code is None or isinstance(exc.code, int):
-                _exit(exc.code or 0)
+                exit_process(exc.code or 0)
             raise
 
 
@@ -54,60 +51,6 @@ def _stderr_filtered(command):
         quiet.filter_stderr(bool(kwargs.get("verbose", False)))
         return command(*args, **kwargs)
     return wrapper
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (`ray job stop`, `raytf stop`, `kill`): the Ctrl-C path, exit 143 instead of 130."""
-
-
-_signals: list[int] = []  # the signals received: Ray re-raises a KeyboardInterrupt of its own on the way out
-
-
-def _interrupt(signum, frame) -> None:
-    _signals.append(signum)
-    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
-
-
-@contextlib.contextmanager
-def _exit_on_error(interrupted: str = "raytf: interrupted", verbose: bool = False):
-    """A RaytfError becomes one line on stderr and its exit code (with -v, the failed task's traceback
-    first); Ctrl-C exits 130 saying `interrupted`."""
-    try:
-        yield
-    except RaytfError as exc:
-        if verbose and exc.traceback:
-            click.echo(exc.traceback.rstrip(), err=True)
-        click.echo(f"raytf: error: {exc}", err=True)
-        _exit(exc.exit_code)
-    except KeyboardInterrupt as exc:  # 128 + the signal, as shells report it
-        terminated = isinstance(exc, Terminated) or signal.SIGTERM in _signals
-        click.echo(interrupted + (" (SIGTERM)" if terminated else ""), err=True)
-        _exit(143 if terminated else 130)
-
-
-def _exit(code: int) -> None:
-    """Exit with `code`. As the console script, without the interpreter's own teardown: its last garbage
-    collection over TensorFlow's objects (the job's code imports it here) took ~1 s of every run's end. What a
-    normal exit does first is done first: other threads joined, the exit hooks run (Ray's, logging's, MLflow's).
-    Those are skipped too when a store call was abandoned (pyarrow's S3 client would wait for it without end)
-    or the embedded Ray stopped under the driver (Ray's exit hook would wait on its GCS)."""
-    # Only as the console script: in a host process (click's CliRunner, a test) an os._exit would end its host.
-    if sys.stdout is not sys.__stdout__:
-        sys.exit(code)
-    from raytf import storage
-    from raytf.driver import quiet
-
-    abandoned = ("pyarrow" in sys.modules and storage.calls_abandoned()) or (
-        "raytf.driver.session" in sys.modules and sys.modules["raytf.driver.session"].ray_abandoned())
-    if not abandoned:
-        for thread in threading.enumerate():
-            if thread is not threading.current_thread() and not thread.daemon:
-                thread.join()
-        atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    quiet.stop_filtering_stderr()  # its lines still in the pipe reach the terminal first
-    os._exit(code)
 
 
 class _ResumeAutoCommand(click.Command):
@@ -149,8 +92,8 @@ def run(job_file: str, address: str | None, settings: tuple[str, ...], quiet: bo
     display = ProgressDisplay(quiet=quiet)
     # `ray job stop` / `raytf stop` send SIGTERM: take the Ctrl-C path, so actors, the placement group
     # and result.json are dealt with before exiting.
-    signal.signal(signal.SIGTERM, _interrupt)
-    with _exit_on_error("raytf: interrupted; actors and placement group released", verbose=verbose):
+    signal.signal(signal.SIGTERM, interrupt)
+    with exit_on_error("raytf: interrupted; actors and placement group released", verbose=verbose):
         result = fit(job_file, parse_set_options(list(settings)), address=address, display=display,
                      resume="auto" if resume_auto else (True if resume else None), verbose=verbose)
     final = result.final
@@ -176,7 +119,7 @@ def data_inspect(path: str, workers: int) -> None:
     """Schema, row count, files, row groups of PATH (file, directory, glob or URI) and its split."""
     from raytf.data_scan import inspect_report
 
-    with _exit_on_error():
+    with exit_on_error():
         click.echo(inspect_report(path, workers))
 
 
@@ -215,8 +158,8 @@ def tune_command(sweep_file: str, address: str | None, settings: tuple[str, ...]
     from raytf.driver.report import ProgressDisplay
     from raytf.job import parse_set_options
 
-    signal.signal(signal.SIGTERM, _interrupt)  # as for run: the Ctrl-C path, the sweep's files shipped
-    with _exit_on_error("raytf: interrupted; `raytf tune --resume` continues the sweep"):
+    signal.signal(signal.SIGTERM, interrupt)  # as for run: the Ctrl-C path, the sweep's files shipped
+    with exit_on_error("raytf: interrupted; `raytf tune --resume` continues the sweep"):
         result = tune(sweep_file, parse_set_options(list(settings)), address=address,
                       display=ProgressDisplay(quiet=quiet), resume=resume, verbose=verbose)
     click.echo(result.table)
@@ -252,7 +195,7 @@ _ADDRESS_HELP = ("The Ray Jobs API (the head's dashboard URL). Default: RAY_API_
 
 def _jobs_command(body) -> None:
     """Run a Jobs API command body; RaytfErrors become one line and their exit code."""
-    with _exit_on_error():
+    with exit_on_error():
         code = body()
     sys.exit(code or 0)
 
@@ -397,7 +340,7 @@ def results(run_name: str, settings: tuple[str, ...], as_json: bool) -> None:
 
     from raytf import results as run_results
 
-    with _exit_on_error():
+    with exit_on_error():
         where = run_results.locate(run_name, settings)
         saved = run_results.read(where)
     click.echo(json.dumps(saved, indent=2) if as_json else run_results.describe(saved, where))
@@ -449,7 +392,7 @@ def k8s(job_file: str, image: str | None, settings: tuple[str, ...], workdir: st
     from raytf import job as job_lib
     from raytf import k8s as manifests
 
-    with _exit_on_error():
+    with exit_on_error():
         if output_file != "-" and (problem := manifests.output_file_problem(output_file, job_file)):
             raise SpecError(problem)
         path = Path(job_file).expanduser().resolve()
@@ -498,7 +441,7 @@ def spot_watch(interval: float, imds: str) -> None:
     so raytf jobs checkpoint before the node goes."""
     from raytf import spot_watch as watcher
 
-    with _exit_on_error("raytf spot-watch: stopped"):
+    with exit_on_error("raytf spot-watch: stopped"):
         watcher.watch(imds, interval, log=lambda line: click.echo(line, err=True))
 
 

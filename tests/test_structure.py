@@ -132,7 +132,8 @@ DRIVER_SIDE = (
     "raytf.tuner", "raytf.sweep", "raytf.sweep_capacity", "raytf.sweep_plan", "raytf.sweep_trial",
     "raytf.sweep_results", "raytf.sweep_report", "raytf.search", "raytf.trial_checkpoint",  # sweeps
     "raytf.tracking",  # MLflow, logged by the driver
-    "raytf.cli", "raytf.submit", "raytf.results", "raytf.k8s", "raytf.spot_watch", "raytf.spec_reference",  # commands
+    "raytf.cli", "raytf.console_exit", "raytf.submit", "raytf.results", "raytf.k8s", "raytf.spot_watch",  # commands
+    "raytf.spec_reference",
 )
 
 

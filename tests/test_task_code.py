@@ -140,13 +140,13 @@ def test_a_label_the_models_output_cannot_take_is_a_spec_error_from_the_model_bu
 
 
 def test_verbose_prints_the_failed_tasks_traceback_before_the_one_line(capsys):
-    from raytf.cli import _exit_on_error
+    from raytf.console_exit import exit_on_error
     from raytf.errors import TrainingFailed
 
     failure = TrainingFailed("training failed: rank(s) 0: train.py:9: ValueError: boom",
                              traceback='Traceback (most recent call last):\n  File "train.py", line 9\nValueError: boom\n')
     for verbose in (False, True):
-        with pytest.raises(SystemExit) as exited, _exit_on_error(verbose=verbose):
+        with pytest.raises(SystemExit) as exited, exit_on_error(verbose=verbose):
             raise failure
         err = capsys.readouterr().err
         assert exited.value.code == 1 and err.endswith("raytf: error: training failed: rank(s) 0: train.py:9: "
@@ -155,11 +155,11 @@ def test_verbose_prints_the_failed_tasks_traceback_before_the_one_line(capsys):
 
 
 def test_ctrl_c_exits_130_and_sigterm_143_each_saying_interrupted(capsys):
-    from raytf.cli import Terminated, _exit_on_error
+    from raytf.console_exit import Terminated, exit_on_error
 
     for signalled, code, said in ((KeyboardInterrupt(), 130, "raytf: interrupted\n"),
                                   (Terminated(), 143, "raytf: interrupted (SIGTERM)\n")):
-        with pytest.raises(SystemExit) as exited, _exit_on_error():
+        with pytest.raises(SystemExit) as exited, exit_on_error():
             raise signalled
         assert exited.value.code == code and capsys.readouterr().err == said
 
