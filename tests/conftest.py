@@ -171,14 +171,14 @@ def cluster(s3):
     # No log monitor on its nodes, and this process takes no worker output: no test reads the workers' lines
     # through the session's cluster (raytf's console script shows them only with -v, tested on an embedded Ray),
     # and a log monitor, listing every log file of the session ten times a second, cost ~37 CPU-s over a run.
-    # Its nodes prestart no idle workers, as raytf's embedded Ray.
+    # Its nodes prestart no idle workers and its head runs no autoscaler monitor, as raytf's embedded Ray.
     # Once in a while a head's dashboard fails to start ("Failed to start the dashboard", both xdist workers'
     # clusters starting in the same second), and every state-API call of the session then fails: a head whose
     # dashboard did not register is started again, once.
     for attempt in (1, 2):
         c = QuietCluster(initialize_head=True, head_node_args={
             "num_cpus": 1, "num_gpus": 0, "dashboard_port": free_port(), "dashboard_agent_listen_port": free_port(),
-            "_system_config": EMBEDDED_RAY_CONFIG})
+            "_system_config": EMBEDDED_RAY_CONFIG, "no_monitor": True})
         gpu_nodes = [c.add_node(num_cpus=1, num_gpus=2) for _ in range(2)]
         c.wait_for_nodes()
         ray.init(address=c.address, log_to_driver=False)

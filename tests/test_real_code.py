@@ -259,7 +259,8 @@ def test_a_signal_takes_the_ctrl_c_path_and_result_json_keeps_the_epochs(root, s
     (folder / "job.yaml").write_text(yaml.safe_dump(base_spec(
         name=f"signalled-{code}", model="tmodel:build_model", output={"dir": "../runs"},
         data={"train": "data/train.parquet", "validation": "data/test.parquet", "features": ["pixels"],
-              "label": "label"}, train={"epochs": 200, "global_batch_size": 64})))
+              "label": "label"}, train={"epochs": 200, "global_batch_size": 64},
+        cluster={"workers": 1})))  # nothing here counts ranks: one worker process fewer
     (folder / "tmodel.py").write_text(MODEL_MODULE)
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "TF_CPP_MIN_LOG_LEVEL")}
     proc = subprocess.Popen([RAYTF, "run", "job.yaml"], cwd=folder, env=env, stderr=subprocess.PIPE, text=True,
