@@ -301,3 +301,24 @@ def test_a_survivors_state_starts_the_restart_unless_a_deterministic_run_keeps_m
     assert survivor_state_is_exact(plain, deterministic=True)
     assert not survivor_state_is_exact(normalized, deterministic=True)
     assert not survivor_state_is_exact(dropped, deterministic=True)
+
+
+def test_a_survivor_still_leaving_its_failed_step_is_waited_for_and_one_whose_train_returned_is_not():
+    """rescue_point on a busy machine: a survivor whose train call has not yet left its failed step (its state not
+    yet kept) answered None at once, and the restart went back to the last checkpoint, steps lost."""
+    import threading
+    import time
+    import types
+
+    from raytf.actor.task_actor import TaskActor
+
+    actor = TaskActor.__new__(TaskActor)  # its two fields at stake only: no process, no TensorFlow
+    actor._ctx, actor._training = types.SimpleNamespace(rescue=None), True
+    threading.Timer(0.3, setattr, (actor._ctx, "rescue", types.SimpleNamespace(step=42))).start()
+    assert actor.rescue_point(wait_s=10) == 42  # kept on its way out, 0.3 s in
+    actor._ctx.rescue, actor._training = None, False
+    started = time.monotonic()
+    assert actor.rescue_point(wait_s=10) is None and time.monotonic() - started < 1  # returned without a state
+    actor._training = True
+    started = time.monotonic()
+    assert actor.rescue_point(wait_s=0.3) is None and time.monotonic() - started >= 0.3  # no state in time

@@ -55,6 +55,7 @@ class TaskActor:
         self._tempdir_before = tempfile.tempdir
         self._jobs = 0  # jobs set up in this process (more than one: a sweep's trials, one after another)
         self._training_thread: int | None = None  # the thread `train` runs in (its stack leads a hang's report)
+        self._training = False  # whether a `train` call is running (a survivor on its way out of a failed step)
         # Import TensorFlow while the rendezvous goes on (seconds of CPU; reading TF_CONFIG and starting
         # the server happen later, in setup). setup waits for this import through Python's import lock.
         self._tf_import = threading.Thread(target=tf_import.import_tensorflow, daemon=True)
@@ -148,6 +149,7 @@ class TaskActor:
     def train(self, payload: WorkerPayload) -> Outcome:
         started = time.time()
         self._training_thread = threading.get_ident()
+        self._training = True
         try:
             try:
                 outcome = self._backend.train(self._started, self._task, payload, self._ctx)
@@ -165,6 +167,7 @@ class TaskActor:
             return dataclasses.replace(outcome, rank=self._ctx.rank, started_at=started, finished_at=time.time(),
                                        first_step_at=self._channel.first_step_at, artifacts=artifacts)
         finally:  # the task's files on this node (data.cache: disk may be gigabytes), also when training failed
+            self._training = False
             self.cleanup()
             self._sweep_node()  # those of tasks killed in this job (a restart's) are gone by now
 
@@ -188,8 +191,13 @@ class TaskActor:
             return StopAnswer(False, 0)
         return self._channel.request_stop(step)
 
-    def rescue_point(self) -> int | None:
-        """The global step of the state this task kept when a peer died (raytf.actor.rescue); None: none kept."""
+    def rescue_point(self, wait_s: float = 0.0) -> int | None:
+        """The global step of the state this task kept when a peer died (raytf.actor.rescue); None: none kept.
+        A task whose train call still runs (on a busy machine, not yet out of its failed step) is waited for up
+        to `wait_s`: answering None then sent the restart back to the last checkpoint, steps lost."""
+        deadline = time.monotonic() + wait_s
+        while self._ctx is not None and self._ctx.rescue is None and self._training and time.monotonic() < deadline:
+            time.sleep(0.02)
         rescue = self._ctx.rescue if self._ctx is not None else None
         return rescue.step if rescue is not None else None
 

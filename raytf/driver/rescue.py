@@ -36,10 +36,11 @@ def collect(group, survivors: list[int], pending: list, rank_of: Callable[[Any],
 
 
 def save(group, survivors: list[int], after_step: int, answer_s: float, upload_s: float,
-         note: Callable[[str], None]) -> Rescued | None:
-    """Ask the survivors which step they hold; the furthest uploads it as the newest checkpoint. None: no survivor
-    held a step past `after_step`, or its upload did not finish in `upload_s` (the last checkpoint stands)."""
-    points = dict(zip(survivors, group.rescue_points(survivors, answer_s)))
+         note: Callable[[str], None], leave_s: float = 0.0) -> Rescued | None:
+    """Ask the survivors which step they hold (one still leaving its failed step is waited for up to `leave_s`); the
+    furthest uploads it as the newest checkpoint. None: no survivor held a step past `after_step`, or its upload
+    did not finish in `upload_s` (the last checkpoint stands)."""
+    points = dict(zip(survivors, group.rescue_points(survivors, answer_s, leave_s)))
     chosen = best(points, after_step)
     if chosen is None:
         held = ", ".join(f"rank {r}: {'no answer or none' if s is None else f'step {s}'}" for r, s in points.items())

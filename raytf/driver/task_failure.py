@@ -41,8 +41,8 @@ def attempt_failure(a, task: Task, error: TaskError, with_it: list[Finished], ba
         errors += failure_lib.errors_within(pending, a.group.wait, rank_of, clock, peer_grace_s(errors[0].kind, limits))
     failure = failure_lib.aggregate(errors)
     failure = dataclasses.replace(failure, message=backend.failed_task(task) + failure.message)
-    if rescuing and failure.kind in RESCUED:
-        _resume_from_survivor(a, survivors(a.tasks, errors), failure, limits, note)
+    if rescuing and failure.kind in RESCUED:  # a survivor not out of its failed step yet (a busy machine): waited for
+        _resume_from_survivor(a, survivors(a.tasks, errors), failure, limits, note, leave_s=limits.rescue_wait_s)
     return failure
 
 
@@ -58,11 +58,13 @@ def hang_rescue(a, failure: Failure, clock, limits: Limits, note: Callable[[str]
     return failure
 
 
-def _resume_from_survivor(a, ranks: list[int], failure: Failure, limits: Limits, note: Callable[[str], None]) -> None:
+def _resume_from_survivor(a, ranks: list[int], failure: Failure, limits: Limits, note: Callable[[str], None],
+                          leave_s: float = 0.0) -> None:
     """The furthest of `ranks`' kept states, if past the attempt's own start, uploaded as the newest checkpoint;
-    `failure`'s record then says whose it is and the step it holds."""
+    `failure`'s record then says whose it is and the step it holds. After a hang, no rank is waited for: the
+    stalled one never leaves its step."""
     saved = rescue.save(a.group, ranks, a.payload.resume_from.step if a.payload.resume_from else 0,
-                        limits.rescue_answer_s, limits.rescue_upload_s, note)
+                        limits.rescue_answer_s, limits.rescue_upload_s, note, leave_s)
     if saved is not None:
         failure.details.update(state_from=f"rank {saved.rank}", last_step=max(a.last_step, saved.step))
 
