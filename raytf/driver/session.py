@@ -159,12 +159,17 @@ def _embedded_node_processes() -> Iterator[None]:
       kernel's parent-death signal (this is done only where Linux has it).
     - Without the autoscaler's monitor: one node that cannot grow has nothing to scale, and raytf answers an
       unplaceable request itself (raytf.driver.placement). Its Python process cost CPU at every start, and at
-      every ray.shutdown 1 s: on SIGTERM it reports to the GCS already stopped, until Ray kills it."""
+      every ray.shutdown 1 s: on SIGTERM it reports to the GCS already stopped, until Ray kills it.
+    - Without the dashboard's API server, which Ray starts even with include_dashboard=False (for the state and
+      job APIs, which nothing reaches on an embedded Ray): 1.6 of a short run's 27 CPU-s. Ray's own path when
+      that server fails to start is the same: no dashboard URL, nothing else missing."""
     from ray._private import node, services, utils
 
     console_popen = getattr(services, "ConsolePopen", None)
     start_monitor = getattr(node.Node, "start_monitor", None)
-    if console_popen is None or start_monitor is None or os.name != "posix" or not utils.detect_fate_sharing_support():
+    start_api_server = getattr(node.Node, "start_api_server", None)
+    if (console_popen is None or start_monitor is None or start_api_server is None or os.name != "posix"
+            or not utils.detect_fate_sharing_support()):
         yield
         return
 
@@ -175,11 +180,13 @@ def _embedded_node_processes() -> Iterator[None]:
 
     services.ConsolePopen = _OwnGroupPopen
     node.Node.start_monitor = lambda self: None
+    node.Node.start_api_server = lambda self, **kwargs: None
     try:
         yield
     finally:
         services.ConsolePopen = console_popen
         node.Node.start_monitor = start_monitor
+        node.Node.start_api_server = start_api_server
 
 
 def check_reachable(address: str, timeout_s: float = 5.0) -> None:
