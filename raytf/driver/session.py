@@ -165,28 +165,25 @@ def _embedded_node_processes() -> Iterator[None]:
       that server fails to start is the same: no dashboard URL, nothing else missing."""
     from ray._private import node, services, utils
 
-    console_popen = getattr(services, "ConsolePopen", None)
-    start_monitor = getattr(node.Node, "start_monitor", None)
-    start_api_server = getattr(node.Node, "start_api_server", None)
-    if (console_popen is None or start_monitor is None or start_api_server is None or os.name != "posix"
-            or not utils.detect_fate_sharing_support()):
-        yield
-        return
+    saved = [(services, "ConsolePopen"), (node.Node, "start_monitor"), (node.Node, "start_api_server")]
+    saved = [(owner, name, getattr(owner, name)) for owner, name in saved if hasattr(owner, name)]
+    originals = {name: value for _, name, value in saved}
+    if "ConsolePopen" in originals and os.name == "posix" and utils.detect_fate_sharing_support():
+        class _OwnGroupPopen(originals["ConsolePopen"]):
+            def __init__(self, *args, **kwargs):
+                kwargs.setdefault("process_group", 0)
+                super().__init__(*args, **kwargs)
 
-    class _OwnGroupPopen(console_popen):
-        def __init__(self, *args, **kwargs):
-            kwargs.setdefault("process_group", 0)
-            super().__init__(*args, **kwargs)
-
-    services.ConsolePopen = _OwnGroupPopen
-    node.Node.start_monitor = lambda self: None
-    node.Node.start_api_server = lambda self, **kwargs: None
+        services.ConsolePopen = _OwnGroupPopen
+    if "start_monitor" in originals:
+        node.Node.start_monitor = lambda self: None
+    if "start_api_server" in originals:
+        node.Node.start_api_server = lambda self, **kwargs: None
     try:
         yield
     finally:
-        services.ConsolePopen = console_popen
-        node.Node.start_monitor = start_monitor
-        node.Node.start_api_server = start_api_server
+        for owner, name, value in saved:
+            setattr(owner, name, value)
 
 
 def check_reachable(address: str, timeout_s: float = 5.0) -> None:
