@@ -168,13 +168,44 @@ def _running(p) -> bool:
 
 def group_alive(pgid: int) -> bool:
     """Whether any process of the group still runs (zombies, already dead, do not count)."""
+    return bool(group_pids(pgid))
+
+
+def group_pids(pgid: int) -> list[int]:
+    """The processes of the group that still run (zombies, already dead, do not count)."""
     import ray  # noqa: F401  (puts its vendored psutil on sys.path)
     import psutil
 
+    pids = []
     for p in psutil.process_iter(["status"]):
         try:
             if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
-                return True
+                pids.append(p.pid)
         except (OSError, psutil.Error):
             continue
-    return False
+    return pids
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes `pid` started (its direct children)."""
+    import ray  # noqa: F401  (puts its vendored psutil on sys.path)
+    import psutil
+
+    return [child.pid for child in psutil.Process(pid).children()]
+
+
+def still_running(pids: list[int], wait_s: float) -> list[int]:
+    """Those of `pids` still running after up to `wait_s` (zombies count as gone)."""
+    import ray  # noqa: F401  (puts its vendored psutil on sys.path)
+    import psutil
+
+    def running(pid: int) -> bool:
+        try:
+            return _running(psutil.Process(pid))
+        except psutil.Error:
+            return False
+
+    deadline = time.time() + wait_s
+    while (left := [pid for pid in pids if running(pid)]) and time.time() < deadline:
+        time.sleep(0.1)
+    return left

@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from tests.conftest import DIGITS, MODEL_MODULE, base_spec
+from tests.ray_head import child_pids, group_pids, still_running
 from tests.test_user_paths import RAYTF, run_cli, run_on_cluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
@@ -270,9 +271,8 @@ def test_a_signal_takes_the_ctrl_c_path_and_result_json_keeps_the_epochs(root, s
         for line in proc.stderr:
             seen.append(line)
             if line.startswith("epoch 2 done"):
-                in_group = [pid for pid in _pids_in_group(proc.pid) if pid != proc.pid]
-                ray_processes = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(proc.pid)], text=True,
-                                                                    capture_output=True).stdout.split()]
+                in_group = [pid for pid in group_pids(proc.pid) if pid != proc.pid]
+                ray_processes = child_pids(proc.pid)
                 os.killpg(proc.pid, sig)
                 break
         rest = proc.communicate(timeout=40)[1]
@@ -281,34 +281,12 @@ def test_a_signal_takes_the_ctrl_c_path_and_result_json_keeps_the_epochs(root, s
     said = "".join(seen) + rest
     assert proc.returncode == code, said[-3000:]
     assert in_group == [] and len(ray_processes) >= 2, (in_group, ray_processes)  # the GCS and the raylet at least
-    left = [pid for pid in ray_processes if _alive(pid)]
+    left = still_running(ray_processes, wait_s=5)
     assert left == [], f"the embedded Ray's processes outlived the driver: {left}"
     assert "raytf: interrupted; actors and placement group released" in said
     assert "*** SIGTERM received" not in said and "Fatal Python error" not in said, said[-3000:]  # no C++ dump
     result = json.loads((root / "runs" / "result.json").read_text())
     assert result["status"] == "interrupted" and len(result["history"]) >= 2, result
-
-
-def _pids_in_group(pgid: int) -> list[int]:
-    out = subprocess.run(["ps", "-eo", "pid=,pgid="], text=True, capture_output=True).stdout.split()
-    return [int(pid) for pid, group in zip(out[::2], out[1::2]) if int(group) == pgid]
-
-
-def _alive(pid: int, wait_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        try:
-            with open(f"/proc/{pid}/stat") as stat:  # a zombie (reaped by no one yet) counts as gone
-                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return False
-        except FileNotFoundError:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 def test_a_diverging_job_stops_at_the_first_nan_epoch_and_exports_nothing(root, cluster):
