@@ -165,25 +165,28 @@ def _embedded_node_processes() -> Iterator[None]:
       that server fails to start is the same: no dashboard URL, nothing else missing."""
     from ray._private import node, services, utils
 
-    saved = [(services, "ConsolePopen"), (node.Node, "start_monitor"), (node.Node, "start_api_server")]
-    saved = [(owner, name, getattr(owner, name)) for owner, name in saved if hasattr(owner, name)]
-    originals = {name: value for _, name, value in saved}
-    if "ConsolePopen" in originals and os.name == "posix" and utils.detect_fate_sharing_support():
-        class _OwnGroupPopen(originals["ConsolePopen"]):
-            def __init__(self, *args, **kwargs):
-                kwargs.setdefault("process_group", 0)
-                super().__init__(*args, **kwargs)
-
-        services.ConsolePopen = _OwnGroupPopen
-    if "start_monitor" in originals:
-        node.Node.start_monitor = lambda self: None
-    if "start_api_server" in originals:
-        node.Node.start_api_server = lambda self, **kwargs: None
+    replacements = {(node.Node, "start_monitor"): lambda self: None,
+                    (node.Node, "start_api_server"): lambda self, **kwargs: None}
+    if hasattr(services, "ConsolePopen") and os.name == "posix" and utils.detect_fate_sharing_support():
+        replacements[(services, "ConsolePopen")] = _in_own_group(services.ConsolePopen)
+    saved = {(owner, name): getattr(owner, name) for owner, name in replacements if hasattr(owner, name)}
+    for (owner, name) in saved:
+        setattr(owner, name, replacements[owner, name])
     try:
         yield
     finally:
-        for owner, name, value in saved:
+        for (owner, name), value in saved.items():
             setattr(owner, name, value)
+
+
+def _in_own_group(popen: type) -> type:
+    """`popen` (Ray's Popen class) starting each process as the leader of a process group of its own."""
+    class OwnGroupPopen(popen):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("process_group", 0)
+            super().__init__(*args, **kwargs)
+
+    return OwnGroupPopen
 
 
 def check_reachable(address: str, timeout_s: float = 5.0) -> None:
