@@ -211,7 +211,7 @@ class FakeGroup:
     def abort_collectives(self, ranks: list[int]) -> None:
         self.world.aborted.append(list(ranks))
 
-    def rescue_points(self, ranks: list[int], timeout_s: float, wait_s: float = 0.0) -> list[int | None]:
+    def rescue_points(self, ranks: list[int], timeout_s: float, leave_s: float = 0.0) -> list[int | None]:
         by_rank = {h.rank: h for h in self.handles}
         return [by_rank[r].script.rescue_step if r in by_rank else None for r in ranks]
 

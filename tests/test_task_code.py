@@ -315,10 +315,10 @@ def test_a_survivor_still_leaving_its_failed_step_is_waited_for_and_one_whose_tr
     actor = TaskActor.__new__(TaskActor)  # its two fields at stake only: no process, no TensorFlow
     actor._ctx, actor._training = types.SimpleNamespace(rescue=None), True
     threading.Timer(0.3, setattr, (actor._ctx, "rescue", types.SimpleNamespace(step=42))).start()
-    assert actor.rescue_point(wait_s=10) == 42  # kept on its way out, 0.3 s in
+    assert actor.rescue_point(leave_s=10) == 42  # kept on its way out, 0.3 s in
     actor._ctx.rescue, actor._training = None, False
     started = time.monotonic()
-    assert actor.rescue_point(wait_s=10) is None and time.monotonic() - started < 1  # returned without a state
+    assert actor.rescue_point(leave_s=10) is None and time.monotonic() - started < 1  # returned without a state
     actor._training = True
     started = time.monotonic()
-    assert actor.rescue_point(wait_s=0.3) is None and time.monotonic() - started >= 0.3  # no state in time
+    assert actor.rescue_point(leave_s=0.3) is None and time.monotonic() - started >= 0.3  # no state in time

@@ -191,11 +191,11 @@ class TaskActor:
             return StopAnswer(False, 0)
         return self._channel.request_stop(step)
 
-    def rescue_point(self, wait_s: float = 0.0) -> int | None:
+    def rescue_point(self, leave_s: float = 0.0) -> int | None:
         """The global step of the state this task kept when a peer died (raytf.actor.rescue); None: none kept.
         A task whose train call still runs (on a busy machine, not yet out of its failed step) is waited for up
-        to `wait_s`: answering None then sent the restart back to the last checkpoint, steps lost."""
-        deadline = time.monotonic() + wait_s
+        to `leave_s`: answering None then sent the restart back to the last checkpoint, steps lost."""
+        deadline = time.monotonic() + leave_s
         while self._ctx is not None and self._ctx.rescue is None and self._training and time.monotonic() < deadline:
             time.sleep(0.02)
         rescue = self._ctx.rescue if self._ctx is not None else None

@@ -223,10 +223,10 @@ class RayWorkerGroup:
             except Exception:  # already gone
                 pass
 
-    def rescue_points(self, ranks: list[int], timeout_s: float, wait_s: float = 0.0) -> list[int | None]:
+    def rescue_points(self, ranks: list[int], timeout_s: float, leave_s: float = 0.0) -> list[int | None]:
         """The step of the state each rank kept when a peer died; None: none kept, or no answer in time. A rank
-        still on its way out of its failed step is waited for up to `wait_s` more."""
-        return answers([self._by_rank[r].rescue_point.remote(wait_s) for r in ranks], timeout_s + wait_s)
+        still on its way out of its failed step is waited for up to `leave_s` more."""
+        return answers([self._by_rank[r].rescue_point.remote(leave_s) for r in ranks], timeout_s + leave_s)
 
     def upload_rescue(self, rank: int, timeout_s: float) -> str | None:
         """Rank `rank` uploads the state it kept to checkpoint.dir; its path, or None (failed, or not in time)."""
