@@ -8,6 +8,7 @@ the `ray start` process groups, the veth pairs, the namespaces and the bridge. N
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import random
 import secrets
@@ -17,12 +18,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 from tests.ray_head import NO_PRESTART_ENV
 
 BIN = Path(sys.executable).parent  # `ray` and `raytf` of this environment
-ANSWER = "@@answer:"  # marks the line a head-side driver answers on (see Hosts.python)
 GCS_PORT, JOBS_PORT = 6379, 8265
 
 
@@ -165,45 +166,55 @@ class Hosts:
             if time.time() > deadline:
                 raise RuntimeError(f"{count} Ray nodes did not come up in {timeout_s:g}s; head log: "
                                    f"{self.logs[self.head.name].read_text()[-2000:]}")
-            time.sleep(1)
+            time.sleep(0.5)
 
     def run(self, host: str, cmd: list[str], timeout_s: float, cwd: str | None = None) -> subprocess.CompletedProcess:
         """A command inside a host, with the cluster's token in its environment."""
         return subprocess.run(["ip", "netns", "exec", self.hosts[host].ns, *cmd], env=self.env(), cwd=cwd,
                               capture_output=True, text=True, timeout=timeout_s)
 
-    def python(self, expression: str, setup: str = "", timeout_s: float = 60, check: bool = True) -> str | None:
-        """`expression` evaluated on the head by a driver connected to the cluster, printed with print(*...)."""
-        # The answer goes on a marked line, so that no line Ray prints is read as the answer (a raylet's
-        # warning, forwarded to every driver, once was; log_to_driver=False stops that forwarding).
-        code = (f"import ray; ray.init(address={self.gcs_address!r}, logging_level='ERROR', log_to_driver=False)\n"
-                f"{setup}\nprint({ANSWER!r}, *({expression}))")
-        out = self.run(self.head.name, [sys.executable, "-c", code], timeout_s)
-        if out.returncode != 0:
-            if check:
-                raise RuntimeError(out.stderr[-2000:])
-            return None
-        answers = [line[len(ANSWER):].strip() for line in out.stdout.splitlines() if line.startswith(ANSWER)]
-        if not answers:
-            if check:
-                raise RuntimeError(f"no answer from the head's driver; it printed: {out.stdout[-2000:]}")
-            return None
-        return answers[-1]
+    def _state(self, path: str) -> list[dict]:
+        """Rows of the head's state API (its dashboard, over HTTP with the cluster's token): a request from this
+        process, where a driver on the head cost ~2 CPU-s a call and polled the nodes' start ~10 times."""
+        request = urllib.request.Request(f"{self.jobs_address}/api/v0/{path}",
+                                         headers={"Authorization": f"Bearer {self.token}"})
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return json.load(answer)["data"]["result"]["result"]
 
     def alive_nodes(self, check: bool = True) -> list[str] | None:
-        out = self.python("sorted(n['NodeManagerAddress'] for n in ray.nodes() if n['Alive'])", check=check)
-        return None if out is None else out.split()
+        """The addresses of the nodes the head's GCS holds alive; None (check=False) while it cannot say."""
+        try:
+            return sorted(n["node_ip"] for n in self._state("nodes?limit=100") if n["state"] == "ALIVE")
+        except (OSError, ValueError, KeyError):  # the dashboard not up yet, or answering an error
+            if check:
+                raise
+            return None
+
+    def lost_hosts(self) -> list[str]:
+        """The worker hosts whose node the head no longer holds alive (its raylet missed its health checks, or
+        its `ray start` exited)."""
+        alive = self.alive_nodes(check=False) or []
+        return [h.name for h in self.hosts.values() if h is not self.head and h.address not in alive]
+
+    def restore(self, ready_timeout_s: float = 90) -> list[str]:
+        """Every worker host's node alive again: a lost one's `ray start` group is killed and started afresh.
+        Which hosts were restarted."""
+        lost = self.lost_hosts()
+        for name in lost:
+            h = self.hosts[name]
+            if h.proc is not None and h.proc.poll() is None:
+                os.killpg(h.proc.pid, signal.SIGKILL)
+                h.proc.wait(timeout=10)
+            self._ray_start(h, head=False)
+        if lost:
+            self._wait_for_nodes(len(self.hosts), ready_timeout_s)
+        return lost
 
     def leftovers(self) -> dict[str, int]:
         """Live actors and placement groups not removed, as Ray's state API on the head sees them."""
-        # The address is explicit: left to itself the state API auto-detects "the local Ray", which on a
-        # machine where another test ran `ray start` is that one (its dashboard at 127.0.0.1), not this head.
-        out = self.python(
-            f"len(list_actors(address={self.gcs_address!r}, filters=[('state', '=', 'ALIVE')])), "
-            f"len([p for p in list_placement_groups(address={self.gcs_address!r}) if p.state != 'REMOVED'])",
-            setup="from ray.util.state import list_actors, list_placement_groups")
-        actors, groups = map(int, out.split())
-        return {"actors": actors, "placement_groups": groups}
+        actors = self._state("actors?limit=1000&filter_keys=state&filter_predicates=%3D&filter_values=ALIVE")
+        groups = [g for g in self._state("placement_groups?limit=1000") if g["state"] != "REMOVED"]
+        return {"actors": len(actors), "placement_groups": len(groups)}
 
     # ---------------------------------------------------------------- teardown
     def teardown(self) -> None:
