@@ -197,11 +197,12 @@ class Hosts:
         return [h.name for h in self.hosts.values() if h is not self.head and h.address not in alive]
 
     def restore(self, ready_timeout_s: float = 90) -> list[str]:
-        """Every worker host's node alive again: a lost one's `ray start` group is killed and started afresh.
-        Which hosts were restarted."""
+        """Every worker host's node alive again: a lost one's cable is put back (a test that pulled it may run
+        again) and its `ray start` group is killed and started afresh. Which hosts were restarted."""
         lost = self.lost_hosts()
         for name in lost:
             h = self.hosts[name]
+            self.link(name, up=True)
             if h.proc is not None and h.proc.poll() is None:
                 os.killpg(h.proc.pid, signal.SIGKILL)
                 h.proc.wait(timeout=10)

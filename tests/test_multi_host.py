@@ -126,7 +126,8 @@ def test_a_mirrored_job_spans_two_hosts_at_their_own_addresses_and_a_host_whose_
                 break
         else:
             lost = hosts.lost_hosts()  # before any cable was pulled: a rerun starts them again (healthy_hosts)
-            pytest.fail((f"{HOST_LOST}: {lost}; " if lost else "") + "training never got going: " + "".join(lines[-20:]))
+            pytest.fail((f"{HOST_LOST}: {lost}; " if lost else "") + "training never got going: "
+                        + "".join(lines[-20:]))
         rest, _ = run.communicate(timeout=360)
     finally:
         if run.poll() is None:
