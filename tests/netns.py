@@ -198,14 +198,13 @@ class Hosts:
 
     def restore(self, ready_timeout_s: float = 90) -> list[str]:
         """Every worker host's node alive again: a lost one's cable is put back (a test that pulled it may run
-        again) and its `ray start` group is killed and started afresh. Which hosts were restarted."""
+        again), every process of it killed (as at teardown) and its Ray node started afresh. Which hosts were
+        restarted."""
         lost = self.lost_hosts()
         for name in lost:
             h = self.hosts[name]
             self.link(name, up=True)
-            if h.proc is not None and h.proc.poll() is None:
-                os.killpg(h.proc.pid, signal.SIGKILL)
-                h.proc.wait(timeout=10)
+            self._kill(h)
             self._ray_start(h, head=False)
         if lost:
             self._wait_for_nodes(len(self.hosts), ready_timeout_s)
@@ -222,23 +221,27 @@ class Hosts:
         """Kill every process in each namespace and each `ray start` group, then remove veths, namespaces
         and the bridge. Safe to call twice and after a partial set-up."""
         for h in self.hosts.values():
-            pids = ip("netns", "pids", h.ns, check=False).stdout.split()
-            for pid in pids:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
-            if h.proc is not None:
-                try:
-                    os.killpg(h.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                h.proc.wait(timeout=10)
+            self._kill(h)
         for h in self.hosts.values():
             ip("link", "del", h.veth, check=False)
             ip("netns", "del", h.ns, check=False)
         ip("link", "del", self.bridge, check=False)
         shutil.rmtree(self.root, ignore_errors=True)
+
+    @staticmethod
+    def _kill(h: Host) -> None:
+        """Every process of the host: those in its namespace and its `ray start` group."""
+        for pid in ip("netns", "pids", h.ns, check=False).stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+        if h.proc is not None:
+            try:
+                os.killpg(h.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            h.proc.wait(timeout=10)
 
     def remains(self) -> list[str]:
         """What of this harness is still there: namespaces, links, processes in its namespaces."""

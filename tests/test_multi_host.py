@@ -24,7 +24,7 @@ HOST_LOST = "a host's node was declared dead before the test touched it"
 
 
 @pytest.fixture(scope="module")
-def hosts():
+def started_hosts():
     """The head (1 CPU, no GPU: the jobs' drivers) and two 1-CPU hosts with 2 logical GPUs each."""
     h = Hosts([HEAD, W1, W2], cpus={HEAD: 1, W1: 1, W2: 1}, gpus={W1: 2, W2: 2})
     try:
@@ -39,11 +39,11 @@ def hosts():
 
 
 @pytest.fixture
-def healthy_hosts(hosts):
+def hosts(started_hosts):
     """The module's hosts with every node alive: one the head declared dead in an earlier test (its raylet
     missed health checks on a saturated machine, seen once in a clean-clone CI) is started again first."""
-    hosts.restore()
-    return hosts
+    started_hosts.restore()
+    return started_hosts
 
 
 @pytest.fixture
@@ -69,8 +69,7 @@ def raytf_run(hosts, job, timeout_s=300):
                      cwd=str(job.parent))
 
 
-def test_submit_from_outside_runs_a_parameter_server_job_across_the_hosts(healthy_hosts, job_folder):
-    hosts = healthy_hosts
+def test_submit_from_outside_runs_a_parameter_server_job_across_the_hosts(hosts, job_folder):
     spec = yaml.safe_load((job_folder / "criteo-ps.yaml").read_text())
     # 20 steps, no validation: what is asserted is where the tasks ran and how they talked, not what they learnt
     spec.update(train={**spec["train"], "epochs": 1, "steps_per_epoch": 20, "shuffle_buffer": 1024},
@@ -98,10 +97,9 @@ def test_submit_from_outside_runs_a_parameter_server_job_across_the_hosts(health
 
 @pytest.mark.flaky(reruns=1, only_rerun=[RESCUE_FELL_BACK, HOST_LOST])
 def test_a_mirrored_job_spans_two_hosts_at_their_own_addresses_and_a_host_whose_link_goes_down_costs_no_step(
-        healthy_hosts, job_folder):
+        hosts, job_folder):
     """A 2-worker job across the two hosts (one task each, at its own host's address in TF_CONFIG); the cable
     of one is pulled mid-epoch: one restart on the host left, from the state of the rank there."""
-    hosts = healthy_hosts
     job = digits(job_folder, train={"epochs": 4, "global_batch_size": 16, "seed": 0},
                  checkpoint={"dir": str(job_folder / "ckpt"), "every_steps": 40},
                  # no warm standbys: the restart after a host is lost reserves a new placement group
@@ -125,7 +123,7 @@ def test_a_mirrored_job_spans_two_hosts_at_their_own_addresses_and_a_host_whose_
                 hosts.link(W2, up=False)
                 break
         else:
-            lost = hosts.lost_hosts()  # before any cable was pulled: a rerun starts them again (healthy_hosts)
+            lost = hosts.lost_hosts()  # before any cable was pulled: a rerun starts them again (the hosts fixture)
             pytest.fail((f"{HOST_LOST}: {lost}; " if lost else "") + "training never got going: "
                         + "".join(lines[-20:]))
         rest, _ = run.communicate(timeout=360)
