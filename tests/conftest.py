@@ -144,11 +144,16 @@ def mlflow():
 def _quiet_cluster():
     from ray.cluster_utils import Cluster
 
+    from raytf import forked_workers
+
     class QuietCluster(Cluster):
-        """A local cluster whose nodes run no log monitor (the session's cluster, below)."""
+        """A local cluster whose nodes run no log monitor (the session's cluster, below) and whose workers are
+        forked from a zygote, as an embedded Ray's (raytf.forked_workers)."""
 
         def add_node(self, wait=True, **node_args):
             node_args.setdefault("include_log_monitor", False)
+            if forked_workers.enabled():  # as raytf's embedded Ray: workers forked from a warm zygote
+                node_args.setdefault("setup_worker_path", forked_workers.LAUNCHER)
             return super().add_node(wait, **node_args)
 
     return QuietCluster

@@ -16,7 +16,7 @@ from typing import Iterator
 
 import ray
 
-from raytf import metrics
+from raytf import forked_workers, metrics
 from raytf.actor import scratch
 from raytf.errors import RaytfError
 
@@ -162,11 +162,14 @@ def _embedded_node_processes() -> Iterator[None]:
       every ray.shutdown 1 s: on SIGTERM it reports to the GCS already stopped, until Ray kills it.
     - Without the dashboard's API server, which Ray starts even with include_dashboard=False (for the state and
       job APIs, which nothing reaches on an embedded Ray): 1.6 of a short run's 27 CPU-s. Ray's own path when
-      that server fails to start is the same: no dashboard URL, nothing else missing."""
+      that server fails to start is the same: no dashboard URL, nothing else missing.
+    - Its workers forked from a zygote that has imported TensorFlow (raytf.forked_workers)."""
     from ray._private import node, services, utils
 
     replacements = {(node.Node, "start_monitor"): lambda self: None,
                     (node.Node, "start_api_server"): lambda self, **kwargs: None}
+    if forked_workers.enabled():
+        replacements[(node.Node, "__init__")] = _with_forked_workers(node.Node.__init__)
     if hasattr(services, "ConsolePopen") and os.name == "posix" and utils.detect_fate_sharing_support():
         replacements[(services, "ConsolePopen")] = _in_own_group(services.ConsolePopen)
     saved = {(owner, name): getattr(owner, name) for owner, name in replacements if hasattr(owner, name)}
@@ -177,6 +180,16 @@ def _embedded_node_processes() -> Iterator[None]:
     finally:
         for (owner, name), value in saved.items():
             setattr(owner, name, value)
+
+
+def _with_forked_workers(node_init):
+    """Ray's Node.__init__, its raylet starting workers through raytf's launcher (where none other is set)."""
+    def init(self, ray_params, *args, **kwargs):
+        if ray_params.setup_worker_path is None:
+            ray_params.setup_worker_path = forked_workers.LAUNCHER
+        node_init(self, ray_params, *args, **kwargs)
+
+    return init
 
 
 def _in_own_group(popen: type) -> type:

@@ -1,0 +1,105 @@
+"""The raylet's worker command (see raytf.forked_workers): a bare interpreter, no imports beyond the standard
+library's, that has the node's zygote fork the worker and exits with the worker's exit code."""
+import fcntl
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+PLAIN_CONTEXT_KEYS = {"env_vars", "command_prefix", "py_executable", "override_worker_entrypoint", "java_jars"}
+ZYGOTE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote.py")
+ZYGOTE_START_TIMEOUT_S = 120
+
+
+def split_args(args):
+    """(runtime env context, language, the worker's own arguments): what Ray's setup_worker.py reads."""
+    context, language, rest = "{}", None, []
+    i = 0
+    while i < len(args):
+        name, equals, value = args[i].partition("=")
+        if name in ("--serialized-runtime-env-context", "--language") and not equals:
+            value, i = args[i + 1], i + 1
+        if name == "--serialized-runtime-env-context":
+            context = value or "{}"
+        elif name == "--language":
+            language = value
+        else:
+            rest.append(args[i])
+        i += 1
+    return context, language, rest
+
+
+def forkable(context: str, language, rest) -> bool:
+    """A Python worker whose runtime env does not change how it starts (Ray would exec the same command)."""
+    try:
+        ctx = json.loads(context)
+    except ValueError:
+        return False
+    changed = {k for k, v in ctx.items() if k in PLAIN_CONTEXT_KEYS and v and v != sys.executable}
+    return (language in (None, "PYTHON") and not changed and rest and rest[0].endswith("default_worker.py")
+            and os.environ.get("RAYTF_FORKED_WORKERS", "1") != "0")
+
+
+def option(rest, name):
+    return next((a.split("=", 1)[1] for a in rest if a.startswith(f"--{name}=")), None)
+
+
+def connect(path):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(path)
+    return s
+
+
+def zygote_connection(rest):
+    """A connection to this node's zygote, started here if there is none yet (one start per node: a lock)."""
+    raylet = option(rest, "raylet-name")  # <session>/sockets/raylet[.N]: one zygote per raylet
+    path = f"{raylet}.raytf-zygote"
+    try:
+        return connect(path)
+    except OSError:
+        pass
+    with open(f"{path}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return connect(path)
+        except OSError:
+            pass
+        logs = os.path.join(os.path.dirname(os.path.dirname(raylet)), "logs")
+        log = open(os.path.join(logs if os.path.isdir(logs) else "/tmp", f"raytf-zygote.{os.getppid()}.log"), "a")
+        zygote = subprocess.Popen([sys.executable, ZYGOTE, path, str(os.getppid())], stdin=subprocess.DEVNULL,
+                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        end = time.time() + ZYGOTE_START_TIMEOUT_S
+        while True:
+            try:
+                return connect(path)
+            except OSError:
+                if zygote.poll() is not None or time.time() > end:
+                    raise
+                time.sleep(0.05)
+
+
+def main():
+    args = sys.argv[1:]
+    context, language, rest = split_args(args)
+    if forkable(context, language, rest):
+        try:
+            conn = zygote_connection(rest)
+            request = json.dumps({"argv": rest, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+            socket.send_fds(conn, [len(request).to_bytes(8, "big") + request], [0, 1, 2])
+        except OSError:
+            conn = None
+        if conn is not None:
+            answer = b""
+            while chunk := conn.recv(64):  # the child's pid, then its exit code once it ends
+                answer += chunk
+            lines = answer.split(b"\n")
+            os._exit(int(lines[1]) if len(lines) > 2 else 1)
+    import ray._private.workers.setup_worker as setup_worker  # Ray's own path, as if this file were not here
+
+    os.execv(sys.executable, [sys.executable, setup_worker.__file__, *args])
+
+
+if __name__ == "__main__":
+    main()
