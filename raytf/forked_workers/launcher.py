@@ -54,8 +54,11 @@ def connect(path):
 
 def zygote_connection(rest):
     """A connection to this node's zygote, started here if there is none yet (one start per node: a lock)."""
-    raylet = option(rest, "raylet-name")  # <session>/sockets/raylet[.N]: one zygote per raylet
-    path = f"{raylet}.raytf-zygote"
+    # <session>/sockets/raylet[.N]: one zygote per raylet and job. A zygote serves only the job whose worker
+    # started it: a worker it forked for another job registered under the first job's id (something imported in
+    # the zygote keeps it from the environment) and the raylet let it go as idle.
+    raylet = option(rest, "raylet-name")
+    path = f"{raylet}.raytf-zygote-{os.environ.get('RAY_JOB_ID', 'none')}"
     try:
         return connect(path)
     except OSError:
