@@ -95,10 +95,15 @@ def main():
             conn = None
         if conn is not None:
             answer = b""
-            while chunk := conn.recv(64):  # the child's pid, then its exit code once it ends
-                answer += chunk
+            try:
+                while chunk := conn.recv(64):  # the child's pid, then its exit code once it ends
+                    answer += chunk
+            except OSError:
+                pass
             lines = answer.split(b"\n")
-            os._exit(int(lines[1]) if len(lines) > 2 else 1)
+            if len(lines) > 1:  # a worker was forked: its exit is this process's
+                os._exit(int(lines[1]) if len(lines) > 2 else 1)
+            # no fork (the zygote ended as it took the request, its job's last worker gone): Ray's own start
     import ray._private.workers.setup_worker as setup_worker  # Ray's own path, as if this file were not here
 
     os.execv(sys.executable, [sys.executable, setup_worker.__file__, *args])

@@ -9,6 +9,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 
 from raytf import tf_import
 
@@ -16,6 +17,7 @@ from raytf import tf_import
 PRELOADED = ("ray", "ray.actor", "ray._private.node", "ray._private.parameter", "ray._private.ray_logging",
              "ray._private.runtime_env.setup_hook", "raytf.actor.task_actor")
 RAYLET_CHECK_S = 0.5
+IDLE_EXIT_S = 30.0  # a zygote serves one job (see launcher.py): with no worker of it left for this long, it ends
 
 
 def receive(conn: socket.socket) -> tuple[dict, list[int]]:
@@ -71,15 +73,20 @@ def serve(path: str, raylet_pid: int) -> None:
     server.bind(path)
     server.listen(64)
     launchers: dict[int, socket.socket] = {}  # worker pid -> its launcher's connection
+    busy_at = time.monotonic()
     try:
         while True:
             ready, _, _ = select.select([server], [], [], RAYLET_CHECK_S)
             _reap(launchers)
+            if launchers:
+                busy_at = time.monotonic()
             try:
                 os.kill(raylet_pid, 0)
             except ProcessLookupError:
                 return
             if not ready:
+                if time.monotonic() - busy_at > IDLE_EXIT_S:
+                    return
                 continue
             conn, _ = server.accept()
             try:
