@@ -2,9 +2,10 @@
 
 A task process spends ~4.5 of its ~9 CPU-s importing TensorFlow, and Ray starts each worker through a second
 interpreter that imports Ray only to exec the first (its setup_worker.py). Here the raylet's worker command is
-`launcher.py` (RayParams.setup_worker_path): a bare interpreter that asks its node's zygote (`zygote.py`, started
-by the first launcher on the node) to fork the worker, and passes the raylet its exit. The child runs Ray's
-default_worker.py as a started one would, with the launcher's environment, working directory and output files.
+`launcher.py` (RayParams.setup_worker_path): a bare interpreter that asks its node's zygote for the job
+(`zygote.py`, started by the job's first launcher there) to fork the worker, and passes the raylet its exit. The
+child runs Ray's default_worker.py as a started one would, with the launcher's environment, working directory and
+output files.
 Measured (a 2-worker digits job on a warm 3-node cluster): 2.8 s and 5.1 busy CPU-s against 7.7 s and 14.8.
 
 Forking is safe here because the zygote starts no runtime: TensorFlow's import creates no device, no session
