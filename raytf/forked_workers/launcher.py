@@ -54,9 +54,10 @@ def connect(path):
 
 def zygote_connection(rest):
     """A connection to this node's zygote, started here if there is none yet (one start per node: a lock)."""
-    # <session>/sockets/raylet[.N]: one zygote per raylet and job. A zygote serves only the job whose worker
-    # started it: a worker it forked for another job registered under the first job's id (something imported in
-    # the zygote keeps it from the environment) and the raylet let it go as idle.
+    # <session>/sockets/raylet[.N]: one zygote per raylet and job. A worker takes its job id from Ray's C++
+    # RayConfig, read from the environment once, when `ray._raylet` is imported: in the zygote. A worker forked for
+    # another job registered under the first one's id and the raylet let it go as idle. (A zygote of TensorFlow
+    # alone could serve every job, at Ray's import in each worker.)
     raylet = option(rest, "raylet-name")
     path = f"{raylet}.raytf-zygote-{os.environ.get('RAY_JOB_ID', 'none')}"
     try:
