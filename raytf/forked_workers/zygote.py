@@ -13,9 +13,16 @@ import time
 
 from raytf import tf_import
 
-# Imported once here rather than in every worker: what Ray's default_worker.py imports, and raytf's task actor
+# Imported once here rather than in every worker: what Ray's default_worker.py imports, raytf's task actor, and
+# what a task imported after the fork (a digits task: ~2 s of its wall with two at once, TensorBoard's summary API
+# 1.4 s of it; a job on warm zygotes went from 2.4-2.5 s and 4.4-4.6 busy CPU-s to 2.2 s and 4.0). None of these
+# starts a thread.
 PRELOADED = ("ray", "ray.actor", "ray._private.node", "ray._private.parameter", "ray._private.ray_logging",
-             "ray._private.runtime_env.setup_hook", "raytf.actor.task_actor")
+             "ray._private.runtime_env.setup_hook", "raytf.actor.task_actor",
+             "ray._common.pydantic_compat", "ray._common.usage.usage_lib", "ray._private.arrow_serialization",
+             "ray.util.metrics", "starlette.datastructures", "multiprocessing.queues", "multiprocessing.synchronize",
+             "pydantic.v1.fields", "pyarrow.fs", "pyarrow.json", "pyarrow.parquet", "raytf.metrics",
+             "tensorboard.summary.v2")
 RAYLET_CHECK_S = 0.5
 IDLE_EXIT_S = 30.0  # a zygote serves one job (see launcher.py): with no worker of it left for this long, it ends
 
@@ -131,5 +138,8 @@ if __name__ == "__main__":
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     tf_import.import_tensorflow()
     for module in PRELOADED:
-        importlib.import_module(module)
+        try:
+            importlib.import_module(module)
+        except ImportError:  # one this install lacks is the worker's to import or do without, as it would be
+            pass
     serve(sys.argv[1], int(sys.argv[2]))
