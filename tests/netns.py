@@ -87,6 +87,7 @@ class Hosts:
                                  os.path.join(self.root, name)) for i, name in enumerate(names)}
         self.cpus, self.gpus = cpus, gpus
         self.logs: dict[str, Path] = {}
+        self.cut: set[str] = set()  # hosts whose cable a test pulled and nobody put back
 
     # ---------------------------------------------------------------- the network
     def make_network(self) -> None:
@@ -106,6 +107,7 @@ class Hosts:
     def link(self, name: str, up: bool) -> None:
         """The host's cable: its veth on the bridge up or down (processes keep running)."""
         ip("link", "set", self.hosts[name].veth, "up" if up else "down")
+        (self.cut.discard if up else self.cut.add)(name)
 
     # ---------------------------------------------------------------- Ray
     @property
@@ -197,17 +199,22 @@ class Hosts:
         return [h.name for h in self.hosts.values() if h is not self.head and h.address not in alive]
 
     def restore(self, ready_timeout_s: float = 90) -> list[str]:
-        """Every worker host's node alive again: a lost one's cable is put back (a test that pulled it may run
-        again), every process of it killed (as at teardown) and its Ray node started afresh. Which hosts were
-        restarted."""
+        """The hosts as a test expects them: every cable a test pulled put back (a rerun of that test came before
+        the head declared the host dead, and its first placement group waited on the unreachable node); every
+        worker host the head declared dead killed (as at teardown) and its Ray node started afresh; no actor or
+        placement group left of an earlier test's driver. Which hosts were restarted."""
+        for name in sorted(self.cut):
+            self.link(name, up=True)
         lost = self.lost_hosts()
         for name in lost:
             h = self.hosts[name]
-            self.link(name, up=True)
             self._kill(h)
             self._ray_start(h, head=False)
         if lost:
             self._wait_for_nodes(len(self.hosts), ready_timeout_s)
+        deadline = time.time() + ready_timeout_s
+        while self.leftovers() != {"actors": 0, "placement_groups": 0} and time.time() < deadline:
+            time.sleep(0.5)  # a killed driver's: the GCS removes them once it sees the driver gone
         return lost
 
     def leftovers(self) -> dict[str, int]:

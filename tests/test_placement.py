@@ -30,6 +30,13 @@ def test_strict_spread_over_too_few_nodes_suggests_pack():
     assert "STRICT_SPREAD cannot be met" in msg and "placement: pack" in msg
 
 
+def test_strict_spread_that_these_nodes_could_hold_is_not_called_impossible():
+    # seen in CI: one node unreachable (its cable pulled) but not yet declared dead, the other holding bundle 1
+    msg = shortage_message([{"CPU": 1, "GPU": 1}] * 2, "STRICT_SPREAD", 5, {"CPU": 3, "GPU": 4}, {"CPU": 2, "GPU": 3},
+                           [{"CPU": 1}, {"CPU": 1, "GPU": 2}, {"CPU": 1, "GPU": 2}])
+    assert "cannot be met" not in msg and "busy" in msg and "cluster.reserve_timeout_s" in msg
+
+
 def test_busy_cluster_says_so():
     msg = shortage_message([{"CPU": 1}] * 2, "PACK", 5, {"CPU": 2}, {"CPU": 0}, [{"CPU": 2}])
     assert "busy" in msg and "{CPU: 0} available now" in msg

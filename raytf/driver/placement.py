@@ -78,7 +78,7 @@ def shortage_message(bundles: list[dict[str, float]], strategy: str, timeout_s: 
         hints.append(f"It lacks {', '.join(short)}: lower cluster.workers or the per-worker resources, {grow}.")
     if biggest_fit:
         hints.append(f"No single node has the {', '.join(biggest_fit)} one bundle needs: lower the per-worker resources.")
-    if not hints and strategy.startswith("STRICT"):
+    if not hints and strategy.startswith("STRICT") and not can_ever_hold(nodes, bundles, strategy):
         hints.append(f"{strategy} cannot be met by these nodes: use placement: pack or spread.")
     if not hints:
         hints.append("The resources are busy with other work: wait, or raise cluster.reserve_timeout_s.")
