@@ -97,9 +97,11 @@ def test_a_killed_worker_costs_one_restart_and_no_step_and_the_run_ends_where_it
     assert restart["kind"] == "actor_died" and restart["ranks"] == [1] and "actor died" in restart["reason"]
     # not the checkpoint at step 120: the survivor's state, from the last step both ranks finished
     assert restart["state_from"] == "rank 0" and restart["steps_lost"] == 0, restart
-    assert 130 <= restart["resumed_from_step"] == restart["last_step"] < 160, restart
-    assert restart["standby"] == 2  # both warm processes were promoted: no new process had to import TF
+    # at or after the kill's step; how far after depends on the machine's load (a clean-clone CI saw 167, past the
+    # checkpoint at 160): the source is the survivor either way (state_from, above)
     planned = 4 * STEPS_PER_EPOCH
+    assert 130 <= restart["resumed_from_step"] == restart["last_step"] < planned, restart
+    assert restart["standby"] == 2  # both warm processes were promoted: no new process had to import TF
     assert [t["steps"] for t in result.tasks] == [planned, planned]
     assert [t["optimizer_steps"] for t in result.tasks] == [planned, planned]  # optimizer state came back too
     assert len({t["weights_digest"] for t in result.tasks}) == 1
