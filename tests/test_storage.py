@@ -274,11 +274,12 @@ def test_a_run_killed_after_two_checkpoints_resumes_from_the_bucket_on_a_new_clu
         proxy.close()
     report = "".join(said_first)
     assert "(failure.hang_mode observe: the job goes on)" in report, report[-3000:]
-    waiting = re.search(r"raytf:   rank 0 \(chief, step (\d+) \w+, no progress\): storage I/O at uploads\.py:\d+ in _wait",
-                        report)
+    # Both ranks stall in the same step; the watchdog's "no progress" goes to whichever last changed state first
+    # (the chief's "checkpointing" or its peer's entering the collective, seen at the driver's polls), a sub-second
+    # race under load. What each was doing is named either way: the chief in storage I/O, its peer in the collective.
+    waiting = re.search(r"raytf:   rank 0 \(chief, step (\d+) \w+(, no progress)?\): storage I/O at uploads\.py:\d+ "
+                        r"in _wait", report)
     assert waiting, report[-3000:]
-    # its peer, in the next step's collective: "no progress" too only when its last change (its own checkpoint write,
-    # seen at the driver's next poll) is as old as the chief's, a sub-second race under load
     assert re.search(r"raytf:   rank 1 \(worker, step \d+ \w+(, no progress)?\): a TensorFlow step or collective at ",
                      report), report[-3000:]
     killed = json.loads(s3.read(f"{out}/result.json"))

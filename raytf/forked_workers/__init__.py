@@ -12,8 +12,9 @@ Forking is safe here because the zygote starts no runtime: TensorFlow's import c
 and no gRPC server (TF_CONFIG, devices and tf.keras's binding, lazy under TF_USE_LEGACY_KERAS, come later in the
 child), Ray's worker connects to its raylet only in the child, and the zygote's only other threads at the fork,
 numpy's OpenBLAS server and pyarrow's jemalloc, re-form in a child through their fork handlers. A worker whose
-runtime env changes how it starts (env vars, a container, another Python), a non-Python worker, or any failure to
-reach the zygote takes Ray's own path: nothing fails for want of the zygote. RAYTF_FORKED_WORKERS=0 turns it off.
+runtime env changes how it starts (a container, another Python, a variable the zygote's imports read), a non-Python
+worker, or any failure to reach the zygote takes Ray's own path: nothing fails for want of the zygote.
+RAYTF_FORKED_WORKERS=0 turns it off.
 """
 from __future__ import annotations
 

@@ -3,6 +3,7 @@ library's, that has the node's zygote fork the worker and exits with the worker'
 import fcntl
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -31,15 +32,39 @@ def split_args(args):
     return context, language, rest
 
 
-def forkable(context: str, language, rest) -> bool:
-    """A Python worker whose runtime env does not change how it starts (Ray would exec the same command)."""
+# Variables read while the zygote imported TensorFlow, Ray, numpy and pyarrow (or by the allocators and thread
+# pools they load): a worker whose runtime env sets one of these must start fresh to see it.
+IMPORT_TIME_PREFIXES = ("RAY_", "TF_", "TENSORFLOW", "KERAS", "XLA_", "CUDA", "NVIDIA", "NCCL_", "LD_", "PYTHON",
+                        "OMP_", "MKL_", "OPENBLAS_", "GOTO", "NUMEXPR_", "NUMPY_", "ARROW_", "GRPC_",
+                        "PROTOCOL_BUFFERS", "MALLOC", "JE_", "TCMALLOC", "TMP", "TEMP")
+
+
+def forked_env(context: str, language, rest) -> dict | None:
+    """The environment to fork a worker into, or None for Ray's own start: a Python worker whose runtime env
+    does not change how it starts (Ray would exec the same command) and sets no variable the zygote's imports
+    read. Its env_vars (Ray Tune sets some on every trial, and the actors a trial starts inherit them) are
+    applied here as Ray's setup_worker.py would (`${X}` expanded, an unset one as "")."""
     try:
         ctx = json.loads(context)
     except ValueError:
-        return False
-    changed = {k for k, v in ctx.items() if k in PLAIN_CONTEXT_KEYS and v and v != sys.executable}
-    return (language in (None, "PYTHON") and not changed and rest and rest[0].endswith("default_worker.py")
-            and os.environ.get("RAYTF_FORKED_WORKERS", "1") != "0")
+        return None
+    if not isinstance(ctx, dict) or os.environ.get("RAYTF_FORKED_WORKERS", "1") == "0":
+        return None
+    env_vars = ctx.get("env_vars") or {}
+    changed = {k for k, v in ctx.items() if k in PLAIN_CONTEXT_KEYS - {"env_vars"} and v and v != sys.executable}
+    read_at_import = [k for k in env_vars if k.upper().startswith(IMPORT_TIME_PREFIXES)]
+    worker = bool(rest) and rest[0].endswith("default_worker.py")
+    if language not in (None, "PYTHON") or changed or read_at_import or not worker:
+        return None
+    env = dict(os.environ)
+    for key, value in env_vars.items():  # in order, each seeing the ones before it, as Ray's update_envs
+        env[key] = re.sub(r"\$\{[A-Z0-9_]+\}", "", _expand(value, env))
+    return env
+
+
+def _expand(value: str, env: dict) -> str:
+    """os.path.expandvars against `env`: `$X` and `${X}` of a set variable replaced, others left as written."""
+    return re.sub(r"\$(\w+|\{[^}]*\})", lambda m: env.get(m.group(1).strip("{}"), m.group(0)), value)
 
 
 def option(rest, name):
@@ -87,10 +112,11 @@ def zygote_connection(rest):
 def main():
     args = sys.argv[1:]
     context, language, rest = split_args(args)
-    if forkable(context, language, rest):
+    env = forked_env(context, language, rest)
+    if env is not None:
         try:
             conn = zygote_connection(rest)
-            request = json.dumps({"argv": rest, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+            request = json.dumps({"argv": rest, "env": env, "cwd": os.getcwd()}).encode()
             socket.send_fds(conn, [len(request).to_bytes(8, "big") + request], [0, 1, 2])
         except OSError:
             conn = None
