@@ -54,6 +54,13 @@ def tier_of(module: str, cluster: bool) -> list[str]:
     return ["tf"] if module in TF_MODULES else ["pure"]
 
 
+# Modules whose module-scoped fixtures start something (hosts in network namespaces, a Ray head, nodes, a training
+# run): their tests stay on one xdist worker (`--dist loadgroup`), so it is started once, and the namespaces'
+# fixed names are never made twice at once.
+SHARED_FIXTURE_MODULES = {"test_multi_host.py", "test_submit.py", "test_preemption.py", "test_own_loop.py",
+                          "test_ps_train_fn.py", "test_labels.py", "test_fault_tolerance.py"}
+
+
 def run_order(tiers: list[str]) -> int:
     """Where a test runs: the long ones (a cluster's, the console script's) first and the quick ones last, so the two
     xdist workers, each taking the next test as it frees up, end together instead of one waiting out the other's
@@ -68,6 +75,8 @@ def pytest_collection_modifyitems(config, items):
         for name in tiers:
             item.add_marker(name)
         order[item.nodeid] = run_order(tiers)
+        if item.path.name in SHARED_FIXTURE_MODULES:
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
     items.sort(key=lambda item: order[item.nodeid])  # stable: each module's tests keep their order
 
 

@@ -349,7 +349,8 @@ def test_an_elastic_job_shrinks_keeping_the_effective_batch_and_grows_back_when_
     assert lost["workers"] == 2 and lost["batch"] == kept
     # a survivor's state at the last step all 4 finished, resumed on 2: no step lost to the node either
     notes = [line for line in shown.getvalue().splitlines() if line.startswith("raytf:")]
-    assert lost.get("state_from", "").startswith("rank ") and lost["steps_lost"] == 0, (notes, lost)
+    # the message a str: pytest cuts a long repr short, and the rerun (RESCUE_FELL_BACK) reads the message
+    assert lost.get("state_from", "").startswith("rank ") and lost["steps_lost"] == 0, "\n".join([*notes, str(lost)])
     assert grown["kind"] == "resized" and (grown["from_workers"], grown["workers"]) == (2, 4)
     assert grown["stop_step"] is not None, f"{STOP_GIVEN_UP}: {grown['reason']}"
     assert grown["steps_lost"] == 0 and grown["resumed_from_step"] == grown["step_saved"] == grown["stop_step"]
