@@ -68,6 +68,7 @@ def run_order(tiers: list[str]) -> int:
     return 2 if "pure" in tiers else 1 if "tf" in tiers else 0
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the xdist_group markers added here
 def pytest_collection_modifyitems(config, items):
     order = {}
     for item in items:
