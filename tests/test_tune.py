@@ -455,8 +455,15 @@ def tune_progress(job_dir, point):
     return list(csv.DictReader(open(folder / "progress.csv")))
 
 
+# Seen once (a clean-clone CI, 2026-12-07, after sweeps' processes became forks and trials faster): p02 passed its
+# rung without a pause, p03 stopped as it should. Which of the two reaches the rung first is Tune's timing; the
+# pause, the promotion and the restore are asserted on the rerun.
+NOT_PAUSED = "p02 was not paused at its rung"
+
+
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
+@pytest.mark.flaky(reruns=1, only_rerun=[NOT_PAUSED])
 def test_a_2x2_grid_under_hyperband_pauses_a_trial_for_another_promotes_it_and_reports_the_real_best(cluster, job_dir):
     """A grid of learning rate {1e-6, 0.01} x global batch {48, 96}, every trial a 1-worker job; hyperband, max_t
     2, reduction factor 2: p00 and p01 (a useless rate) form a bracket that runs to the end; p02 (0.01, 48: 29 steps
@@ -478,7 +485,8 @@ def test_a_2x2_grid_under_hyperband_pauses_a_trial_for_another_promotes_it_and_r
 
     promoted = rows["p02"]
     assert promoted["config"] == {"optimizer.learning_rate": 0.01, "train.global_batch_size": 48}
-    assert [(r["from"], r["after_epoch"], r["step"]) for r in promoted["restores"]] == [("p02", 1, 1437 // 48)]
+    restores = [(r["from"], r["after_epoch"], r["step"]) for r in promoted["restores"]]
+    assert restores == [("p02", 1, 1437 // 48)], f"{NOT_PAUSED if not restores else 'restores'}: {restores}"
     saved = json.loads((job_dir / "runs" / "t" / "trials" / "p02" / "result.json").read_text())
     assert [h["epoch"] for h in saved["history"]] == [1, 2]  # every epoch once, the second after the restore
     assert [float(r["epoch"]) for r in tune_progress(job_dir, "p02")] == [1.0, 2.0]  # each reported once
