@@ -294,6 +294,26 @@ STATEFUL_MODEL = textwrap.dedent('''
                                  keras.layers.ReLU(), keras.layers.Dropout(0.2), keras.layers.Dense(10)])
 ''')
 
+# The elastic test's 2-worker attempt must still be training when the node is back and the probe has found it.
+# A CI machine once took longer than the whole attempt (~500 steps at 50-150 steps a second) to start that node,
+# and the job ended on 2 workers. This preprocess paces only the 2-worker attempt's training rows, 8 ms each
+# (with tf.data's 2 threads here, <= ~30 steps a second: >= 15 s for that attempt's steps); it is traced once per
+# attempt, so the worker count comes from that attempt's TF_CONFIG.
+PACED_ON_TWO_WORKERS = textwrap.dedent('''
+    import json, os, time
+    import tensorflow as tf
+
+    def paced_on_two_workers(example):
+        if len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"]) != 2:
+            return example
+        pixels = tf.py_function(lambda p: (time.sleep(0.008), p)[1], [example["pixels"]], tf.float32)
+        pixels.set_shape(example["pixels"].shape)
+        return {**example, "pixels": pixels}
+
+    def as_is(example):
+        return example
+''')
+
 
 # Under a loaded CI machine the common stop was once given up (a rank past the step, or no answer in time), which
 # raytf answers by going back to the last checkpoint: correct, but not the path this test is about. One rerun then.
@@ -310,12 +330,13 @@ def test_an_elastic_job_shrinks_keeping_the_effective_batch_and_grows_back_when_
     stops at one step with a checkpoint, and the job ends on 4 workers again. 0 steps lost to either: the restart
     after the loss resumes from a survivor's state (raytf.actor.rescue), every row of each epoch counted once."""
     (job_dir / "stateful.py").write_text(STATEFUL_MODEL)
-    # 12 epochs: the 2-worker attempt must still train while the node comes back and the probe finds it (~3.5 s
-    # here: the node's start, then the next 1-s check after the attempt's first checkpoint). It trains 50-150 steps
-    # a second (loaded or not): with 5 epochs it had ~4 s and sometimes ended first (it grew at step 120-219 of
-    # 224); with 8 (352 steps), on an idle machine, it asked to stop at step 358 once (with 16: grew at 285).
+    (job_dir / "paced.py").write_text(PACED_ON_TWO_WORKERS)
+    # 12 epochs (528 steps): the 2-worker attempt must still train while the node comes back and the probe finds it
+    # (~3.5 s on an idle machine: the node's start, then the next 1-s check after the attempt's first checkpoint).
+    # Unpaced it trained 50-150 steps a second, and a loaded CI machine once ended it first; paced, it has >= 15 s.
     epochs = 12
     spec = base_spec(model="stateful:build_model", train={"epochs": epochs, "global_batch_size": 32, "seed": 7},
+                     data={"preprocess": "paced:paced_on_two_workers", "preprocess_validation": "paced:as_is"},
                      cluster={"workers": 4, "cpus_per_worker": 1, "reserve_timeout_s": 5},
                      checkpoint={"dir": str(job_dir / "ckpt"), "every_steps": 20},
                      # no warm standbys: the shrink reserves a new placement group, so attempt 1's 4 would end
