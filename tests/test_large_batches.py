@@ -296,9 +296,10 @@ STATEFUL_MODEL = textwrap.dedent('''
 
 # The elastic test's 2-worker attempt must still be training when the node is back and the probe has found it.
 # A CI machine once took longer than the whole attempt (~500 steps at 50-150 steps a second) to start that node,
-# and the job ended on 2 workers. This preprocess paces only the 2-worker attempt's training rows, 8 ms each
-# (with tf.data's 2 threads here, <= ~30 steps a second: >= 15 s for that attempt's steps); it is traced once per
-# attempt, so the worker count comes from that attempt's TF_CONFIG.
+# and the job ended on 2 workers. This preprocess paces only the 2-worker attempt's training rows, 20 ms each
+# (8 rows a replica a step, tf.data's 2 threads here: <= ~12 steps a second, so >= 20 s for that attempt's ~240
+# steps; it grew after ~50 here); it is traced once per attempt, so the worker count comes from that attempt's
+# TF_CONFIG. The steps the 2-worker attempt does not take are the 4-worker one's, at full speed.
 PACED_ON_TWO_WORKERS = textwrap.dedent('''
     import json, os, time
     import tensorflow as tf
@@ -306,7 +307,7 @@ PACED_ON_TWO_WORKERS = textwrap.dedent('''
     def paced_on_two_workers(example):
         if len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"]) != 2:
             return example
-        pixels = tf.py_function(lambda p: (time.sleep(0.008), p)[1], [example["pixels"]], tf.float32)
+        pixels = tf.py_function(lambda p: (time.sleep(0.02), p)[1], [example["pixels"]], tf.float32)
         pixels.set_shape(example["pixels"].shape)
         return {**example, "pixels": pixels}
 
@@ -331,10 +332,9 @@ def test_an_elastic_job_shrinks_keeping_the_effective_batch_and_grows_back_when_
     after the loss resumes from a survivor's state (raytf.actor.rescue), every row of each epoch counted once."""
     (job_dir / "stateful.py").write_text(STATEFUL_MODEL)
     (job_dir / "paced.py").write_text(PACED_ON_TWO_WORKERS)
-    # 12 epochs (528 steps): the 2-worker attempt must still train while the node comes back and the probe finds it
+    # 6 epochs (264 steps): paced (PACED_ON_TWO_WORKERS), the 2-worker attempt outlasts the node's return and the probe
     # (~3.5 s on an idle machine: the node's start, then the next 1-s check after the attempt's first checkpoint).
-    # Unpaced it trained 50-150 steps a second, and a loaded CI machine once ended it first; paced, it has >= 15 s.
-    epochs = 12
+    epochs = 6
     spec = base_spec(model="stateful:build_model", train={"epochs": epochs, "global_batch_size": 32, "seed": 7},
                      data={"preprocess": "paced:paced_on_two_workers", "preprocess_validation": "paced:as_is"},
                      cluster={"workers": 4, "cpus_per_worker": 1, "reserve_timeout_s": 5},
