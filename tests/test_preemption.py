@@ -65,16 +65,20 @@ def test_a_drained_node_costs_no_step_and_no_restart_budget_even_when_it_goes_be
     _, plain = spot_nodes
     drained = []
     trigger = AtSteps([(30, lambda group: drain(plain.node_id, deadline_s=30)), (120, node_of(1, drained))])
-    # in epoch 3, some steps after the resume, and between two checkpoints (every 40 steps): a drain seen within
-    # 0.25 s at step 200 had rank 1 die right after the checkpoint at 200, which the restart then resumed from (no
-    # survivor held a later step), not the survivor's state this test is about
+    # in epoch 3, some steps after the resume, with no periodic checkpoint in the way (every_steps past the run's
+    # 712): the second attempt starts at the first drain's checkpoint-now (step ~130-230, by the load) and its
+    # drain comes as soon as it trains. With checkpoints every 40 steps, a drain seen within 0.25 s at step 200 had
+    # rank 1 die right after the checkpoint at 200, and a loaded clean-clone run (2026-12-08) saw it at step 239,
+    # the death just after the one at 240: the restart resumed from that checkpoint (no survivor held a later
+    # step), not from the survivor's state this test is about
     again = AtSteps([(212, node_of(1, drained))], attempts={2})
     dier = DiesWhenAskedToStop(rank=1, attempt=2)
     # 8 epochs: with 5, only ~3.5 s of training followed the drain at step 120, and under load the job once ended
     # before the notice became a stop step (no restart)
     epochs = 8
     group_cls = type("DrainTwice", (trigger.group_cls, again.group_cls, dier.group_cls), {})
-    result = run(load(write_job(job_dir, spot_spec(job_dir, train={"epochs": epochs}))), group_cls=group_cls)
+    spec = spot_spec(job_dir, train={"epochs": epochs}, checkpoint={"every_steps": 1000})
+    result = run(load(write_job(job_dir, spec)), group_cls=group_cls)
 
     assert [at for at, _, _ in trigger.done] == [30, 120], "the drains did not happen while training"
     assert dier.killed_after, "the second drained node's actor was never killed"
