@@ -474,8 +474,8 @@ def test_a_2x2_grid_under_hyperband_pauses_a_trial_for_another_promotes_it_and_r
     an epoch) and p03 (0.01, 96: 14) form a bracket whose rung is epoch 1. Three trials fit the cluster at once
     (max_concurrent_trials 1 does not apply under hyperband, and raytf says so): p02 pauses at epoch 1 (its
     placement group freed), p03 runs in its place and is stopped there (worse after its fewer steps), and p02 is
-    promoted: it starts again from the checkpoint of its epoch 1 and trains epoch 2 only. Then what any sweep leaves: the real best as a job spec that runs, each
-    trial's model and exports, sweep.json and sweep.png."""
+    promoted: it starts again from the checkpoint of its epoch 1 and trains epoch 2 only. Then what any sweep
+    leaves: the real best as a job spec that runs, each trial's model and exports, sweep.json and sweep.png."""
     path = sweep_file(job_dir, {"space": {"optimizer.learning_rate": {"grid": [1e-6, 0.01]},
                                           "train.global_batch_size": {"grid": [48, 96]}},
                                 "scheduler": {"name": "hyperband", "reduction_factor": 2}, "max_concurrent_trials": 1},
