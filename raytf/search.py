@@ -94,6 +94,17 @@ def creates_every_trial_at_once(section: TuneSection) -> bool:
     return section.scheduler is not None and section.scheduler.pauses
 
 
+def how_many_at_once(section: TuneSection, limit: int) -> str:
+    """The sweep's first line on concurrency: `limit`, or (hyperband, pbt) what the cluster holds, saying so when a
+    tune.max_concurrent_trials number was given and does not apply."""
+    if not creates_every_trial_at_once(section):
+        return f"up to {limit} at once"
+    if section.max_concurrent_trials == "auto":
+        return "as many at once as the cluster holds"
+    return (f"as many at once as the cluster holds (tune.max_concurrent_trials {section.max_concurrent_trials} does "
+            f"not apply under {section.scheduler.name}: Tune counts a paused trial against it)")
+
+
 def scheduler(section: TuneSection, max_t: int):
     """tune.scheduler as Tune's scheduler. Time is the job's epoch: a trial started again from a checkpoint
     reports its epochs where it left off, which Tune's own count of reports would not say."""

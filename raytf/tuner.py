@@ -151,13 +151,8 @@ def _run_held(prepared: PreparedSweep, display: ProgressDisplay, resume: bool, v
     section = prepared.section
     how = (f" suggested by {section.search.algorithm}" if section.search.suggests
            else " (pbt's population)" if prepared.suggests else "")
-    at_once = f"up to {limit} at once"
-    if search.creates_every_trial_at_once(section):
-        at_once = "as many at once as the cluster holds" + (
-            "" if section.max_concurrent_trials == "auto" else
-            f" (tune.max_concurrent_trials {section.max_concurrent_trials} does not apply under "
-            f"{section.scheduler.name}: Tune counts a paused trial against it)")
-    display.message(f"raytf: sweep {prepared.base.spec.name}: {prepared.num_trials} trials{how}, {at_once}"
+    display.message(f"raytf: sweep {prepared.base.spec.name}: {prepared.num_trials} trials{how}, "
+                    f"{search.how_many_at_once(section, limit)}"
                     + (f" ({len(prepared.rejected)} random draws rejected)" if prepared.rejected else "")
                     + f"; output {where}")
     packaging.mark_output(out)  # a later job in the same job folder leaves the sweep's outputs out

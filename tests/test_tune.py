@@ -271,6 +271,11 @@ def test_each_scheduler_is_tunes_own_with_the_epoch_as_its_clock():
     assert pbt._hyperparam_mutations["train.global_batch_size"] == [63, 64]
     assert search.search_algorithm(pbt_section).max_concurrent == 0  # the whole population at once
     assert search.creates_every_trial_at_once(pbt_section) and not search.creates_every_trial_at_once(section())
+    assert search.how_many_at_once(section(), 3) == "up to 3 at once"
+    assert search.how_many_at_once(pbt_section, 3) == "as many at once as the cluster holds"
+    assert search.how_many_at_once(section(scheduler={"name": "hyperband"}, max_concurrent_trials=1), 1) == (
+        "as many at once as the cluster holds (tune.max_concurrent_trials 1 does not apply under hyperband: Tune "
+        "counts a paused trial against it)")
     assert search.within_bounds({"optimizer.learning_rate": (0.001, 0.1)}, {"optimizer.learning_rate": 0.12,
                                 "train.global_batch_size": 64}) == {"optimizer.learning_rate": 0.1, "train.global_batch_size": 64}
     assert search.point_id("0_lr=0.1", pbt_section) == "t00" and search.point_id("1_lr=0.1", section(
